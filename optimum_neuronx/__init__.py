@@ -1,0 +1,15 @@
+"""Export Transformers causal LMs to static-shape compiled graphs (AWS Neuron; CPU/CUDA via AOTInductor)."""
+
+from .configuration import NeuronConfig
+from .version import __version__
+
+__all__ = ["NeuronConfig", "NeuronModelForCausalLM", "__version__"]
+
+
+def __getattr__(name):
+    # The runtime pulls in transformers; import it only when asked for.
+    if name == "NeuronModelForCausalLM":
+        from .runtime import NeuronModelForCausalLM
+
+        return NeuronModelForCausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

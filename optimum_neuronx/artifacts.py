@@ -1,0 +1,152 @@
+"""The exported directory: what is written, how it is stamped, and how it is checked before loading.
+
+    config.json, generation_config.json, tokenizer files   (Transformers' own formats)
+    neuron_config.json   NeuronConfig + graphs + versions + config hash + file sizes
+    model.safetensors    the decoder weights, once, shared by every graph
+    <backend files>      the compiled graphs (inductor: model.pt2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .backends.base import GraphSpec
+from .configuration import NEURON_CONFIG_NAME, NeuronConfig
+from .version import ARTIFACT_FORMAT_VERSION, __version__
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+# Fields of config.json that change with who saved it, not with what was compiled.
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
+
+
+class ArtifactError(ValueError):
+    """The directory is not a loadable export of this package (the message says why and what to do)."""
+
+
+def config_hash(config_dict: dict, neuron_config: NeuronConfig) -> str:
+    """Hash of everything that determines the compiled graphs: model config, NeuronConfig, backend."""
+    model = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG_KEYS}
+    payload = json.dumps({"model": model, "neuron": neuron_config.to_dict()}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _read_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_neuron_config(
+    directory: Path, neuron_config: NeuronConfig, graphs: list[GraphSpec], compiler_version: str,
+    compile_times: dict[str, float], files: tuple[str, ...],
+) -> dict:
+    """Stamp the export: call last, once config.json and every file in `files` are written."""
+    import transformers
+
+    directory = Path(directory)
+    meta = {
+        "artifact_format": ARTIFACT_FORMAT_VERSION,
+        "neuron_config": neuron_config.to_dict(),
+        "graphs": [{"kind": g.kind, "tokens": g.tokens, "window": g.window} for g in graphs],
+        "versions": {
+            "optimum_neuronx": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "compiler": {"name": neuron_config.backend, "version": compiler_version},
+        },
+        "config_hash": config_hash(_read_json(directory / CONFIG_NAME), neuron_config),
+        "files": {name: {"size": (directory / name).stat().st_size} for name in files},
+        "compile_time_s": {name: round(t, 3) for name, t in compile_times.items()},
+    }
+    with open(directory / NEURON_CONFIG_NAME, "w") as f:
+        json.dump(meta, f, indent=2)
+    return meta
+
+
+def read_artifact(directory: str | Path) -> tuple[NeuronConfig, dict]:
+    """Validate an exported directory and return its NeuronConfig and metadata, or raise ArtifactError."""
+    directory = Path(directory)
+    meta_path = directory / NEURON_CONFIG_NAME
+    if not meta_path.is_file():
+        raise ArtifactError(
+            f"{directory} has no {NEURON_CONFIG_NAME}: it is not an exported model. To compile a Transformers "
+            f"checkpoint, call NeuronModelForCausalLM.from_pretrained(model_id, export=True, ...)."
+        )
+    try:
+        meta = _read_json(meta_path)
+        fmt = meta["artifact_format"]
+        neuron_config = NeuronConfig.from_dict(meta["neuron_config"])
+        versions = meta["versions"]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ArtifactError(f"{meta_path} is unreadable or incomplete ({err}). Re-export the model.") from None
+    redo = "Re-export the model with NeuronModelForCausalLM.from_pretrained(model_id, export=True, ...)."
+    if fmt != ARTIFACT_FORMAT_VERSION:
+        raise ArtifactError(f"{directory} uses artifact format {fmt}; this package reads format "
+                            f"{ARTIFACT_FORMAT_VERSION}. {redo}")
+    if versions.get("optimum_neuronx") != __version__:
+        raise ArtifactError(f"{directory} was exported by optimum-neuronx {versions.get('optimum_neuronx')}; this is "
+                            f"{__version__}. {redo}")
+    if versions.get("torch") != torch.__version__:
+        raise ArtifactError(f"{directory} was compiled with torch {versions.get('torch')}, but torch "
+                            f"{torch.__version__} is installed; compiled graphs only run on the torch build that "
+                            f"compiled them. {redo}")
+    for name, info in meta.get("files", {}).items():
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(f"{directory} is missing {name}. {redo}")
+        size = path.stat().st_size
+        if size != info["size"]:
+            raise ArtifactError(f"{path} has {size} bytes but the export wrote {info['size']}: the file is "
+                                f"truncated or was replaced. {redo}")
+    if not (directory / CONFIG_NAME).is_file():
+        raise ArtifactError(f"{directory} is missing {CONFIG_NAME}. {redo}")
+    expected = config_hash(_read_json(directory / CONFIG_NAME), neuron_config)
+    if meta.get("config_hash") != expected:
+        raise ArtifactError(f"{directory}: config.json or {NEURON_CONFIG_NAME} no longer matches what was compiled "
+                            f"(config hash {meta.get('config_hash')} != {expected}). {redo}")
+    return neuron_config, meta
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `target`; move its files into `target` only if the block succeeds.
+
+    An interrupted export leaves no partial `target` behind, only nothing (the temporary is removed).
+    """
+    target = Path(target).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield staging
+        if not target.exists():
+            os.rename(staging, target)
+            return
+        if not target.is_dir():
+            raise NotADirectoryError(f"Cannot save into {target}: it exists and is not a directory.")
+        # Saving into an existing directory: stale stamps go first so a crash can't pair old files with them.
+        (target / NEURON_CONFIG_NAME).unlink(missing_ok=True)
+        names = sorted(os.listdir(staging), key=lambda n: n == NEURON_CONFIG_NAME)
+        for name in names:
+            os.replace(staging / name, target / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def copy_artifact_files(source: Path, destination: Path) -> None:
+    """Copy (hard-link where possible) the regular files of an artifact directory."""
+    for entry in sorted(Path(source).iterdir()):
+        if entry.is_file() and not entry.name.startswith("."):
+            dest = destination / entry.name
+            try:
+                os.link(entry, dest)
+            except OSError:
+                shutil.copy2(entry, dest)

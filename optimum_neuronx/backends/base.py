@@ -1,0 +1,61 @@
+"""The backend interface: compile one graph per bucket into a directory, load them back."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One compiled graph: `tokens` new tokens per sequence attending to `window` cache slots."""
+
+    kind: str  # "context" (prefill) or "token" (decode)
+    tokens: int
+    window: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_{self.window}"
+
+
+# A loaded graph takes the decoder's flat inputs (see modeling/decoder.py) and returns logits.
+CompiledGraph = Callable[[list], torch.Tensor]
+
+
+class Backend(ABC):
+    name: str
+    # True when graphs run on NeuronCores, whose per-core memory bounds the model (see memory.py).
+    targets_neuron_cores: bool = False
+
+    @abstractmethod
+    def check_toolchain(self) -> None:
+        """Raise a clear error, before any work, when the compiler cannot run here."""
+
+    @abstractmethod
+    def compiler_version(self) -> str: ...
+
+    @abstractmethod
+    def graph_files(self) -> tuple[str, ...]:
+        """Files (relative to the artifact directory) that hold the compiled graphs."""
+
+    @abstractmethod
+    def compile(
+        self,
+        decoder: torch.nn.Module,
+        graphs: Sequence[GraphSpec],
+        example_inputs: Callable[[GraphSpec], tuple],
+        out_dir: Path,
+        compiler_args: Sequence[str],
+    ) -> dict[str, float]:
+        """Compile every graph into `out_dir`; return the compile time of each, in seconds."""
+
+    @abstractmethod
+    def load(
+        self, artifact_dir: Path, graphs: Sequence[GraphSpec], weights: Mapping[str, torch.Tensor]
+    ) -> dict[str, CompiledGraph]:
+        """Load the graphs, sharing `weights` (the caller keeps them alive) between all of them."""

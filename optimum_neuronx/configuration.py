@@ -1,0 +1,130 @@
+"""NeuronConfig: the static shapes, buckets, dtype and compiler settings an export is made for."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from .buckets import default_buckets, normalize_buckets
+
+NEURON_CONFIG_NAME = "neuron_config.json"
+
+# Accepted spellings of auto_cast_type -> canonical name.
+DTYPE_ALIASES = {
+    "fp32": "fp32", "float32": "fp32", "f32": "fp32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "f16": "fp16", "half": "fp16",
+}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Tensor-parallel degrees Neuron instances offer (Inf2: 1, 2, 4, 8, 12, 24; Trn1: 1, 2, 8, 32).
+SUPPORTED_TP_DEGREES = (1, 2, 4, 8, 12, 24, 32)
+
+
+def canonical_dtype(auto_cast_type: Any) -> str:
+    if isinstance(auto_cast_type, torch.dtype):
+        auto_cast_type = str(auto_cast_type).replace("torch.", "")
+    name = DTYPE_ALIASES.get(str(auto_cast_type).lower())
+    if name is None:
+        raise ValueError(
+            f"Unknown auto_cast_type {auto_cast_type!r}. Use one of: 'fp32', 'bf16', 'fp16' "
+            f"(aliases: {', '.join(sorted(DTYPE_ALIASES))})."
+        )
+    return name
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class NeuronConfig:
+    """Everything that fixes the shapes and numerics of the compiled graphs.
+
+    `context_buckets` are the prompt lengths a context-encoding (prefill) graph is compiled for;
+    `token_buckets` are how much of the KV cache a token-generation (decode) graph attends to.
+    Left as None, both default to powers of two from 128 up to `sequence_length`.
+    """
+
+    batch_size: int = 1
+    sequence_length: int = 1024
+    context_buckets: Optional[tuple[int, ...]] = None
+    token_buckets: Optional[tuple[int, ...]] = None
+    auto_cast_type: str = "fp32"
+    tp_degree: int = 1
+    backend: str = "inductor"
+    compiler_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        _positive_int("batch_size", self.batch_size)
+        seq = _positive_int("sequence_length", self.sequence_length)
+        set_("auto_cast_type", canonical_dtype(self.auto_cast_type))
+        set_("context_buckets", self._buckets("context_buckets", self.context_buckets, seq))
+        set_("token_buckets", self._buckets("token_buckets", self.token_buckets, seq))
+        if self.token_buckets[-1] != seq:
+            raise ValueError(
+                f"The largest token-generation bucket ({self.token_buckets[-1]}) must equal sequence_length "
+                f"({seq}) so that decoding can use the whole KV cache: add {seq} to token_buckets."
+            )
+        if self.tp_degree not in SUPPORTED_TP_DEGREES:
+            raise ValueError(
+                f"tp_degree (num_cores) {self.tp_degree!r} is not supported; use one of {SUPPORTED_TP_DEGREES}."
+            )
+        from .backends import SUPPORTED_BACKENDS  # lazy: backends import torch machinery
+
+        if self.backend not in SUPPORTED_BACKENDS:
+            raise ValueError(f"Unknown backend {self.backend!r}; supported backends: {', '.join(SUPPORTED_BACKENDS)}.")
+        if isinstance(self.compiler_args, str) or not all(isinstance(a, str) for a in self.compiler_args):
+            raise ValueError(f"compiler_args must be a list of strings, got {self.compiler_args!r}.")
+        set_("compiler_args", tuple(self.compiler_args))
+
+    @staticmethod
+    def _buckets(name: str, buckets: Optional[Iterable[int]], sequence_length: int) -> tuple[int, ...]:
+        if buckets is None:
+            return default_buckets(sequence_length)
+        try:
+            values = normalize_buckets(buckets)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a list of positive integers, got {buckets!r}.") from None
+        if not values:
+            raise ValueError(f"{name} must not be empty (got {buckets!r}); leave it unset for the defaults.")
+        if values[0] < 1 or values[-1] > sequence_length:
+            raise ValueError(
+                f"{name} {list(values)} must lie between 1 and sequence_length ({sequence_length}); "
+                f"raise sequence_length or drop the larger buckets."
+            )
+        return values
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.auto_cast_type]
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        for key in ("context_buckets", "token_buckets", "compiler_args"):
+            out[key] = list(out[key])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "NeuronConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"Unknown NeuronConfig fields {sorted(unknown)}; known fields: {sorted(known)}.")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "NeuronConfig":
+        with open(path) as f:
+            return cls.from_dict(json.load(f)["neuron_config"])

@@ -1,0 +1,149 @@
+"""ExportConfig: how one architecture of the Llama family maps onto the shared static decoder.
+
+An export config is a small declarative table: flags that switch decoder features on, and the
+weight-name mapping from the Transformers checkpoint to the decoder's (fused) parameters.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Mapping, Union
+
+import torch
+
+from ..configuration import NeuronConfig
+from ..modeling.decoder import DecoderSpec
+
+# A flag is either a constant or the name of a boolean field of the Transformers config.
+Flag = Union[bool, str]
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+
+# Decoder parameter -> Transformers parameters, concatenated along dim 0 (this is how q/k/v and
+# gate/up are fused). "{i}" is the layer index. Entries whose source is absent are skipped only
+# when the decoder does not have that parameter (e.g. biases when the flag is off).
+LLAMA_FAMILY_WEIGHTS: Mapping[str, tuple[str, ...]] = {
+    "embed_tokens.weight": ("model.embed_tokens.weight",),
+    "norm.weight": ("model.norm.weight",),
+    "lm_head.weight": ("lm_head.weight",),
+    "layers.{i}.input_norm.weight": ("model.layers.{i}.input_layernorm.weight",),
+    "layers.{i}.post_attention_norm.weight": ("model.layers.{i}.post_attention_layernorm.weight",),
+    "layers.{i}.qkv_proj.weight": tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"),
+    "layers.{i}.qkv_proj.bias": tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"),
+    "layers.{i}.o_proj.weight": ("model.layers.{i}.self_attn.o_proj.weight",),
+    "layers.{i}.o_proj.bias": ("model.layers.{i}.self_attn.o_proj.bias",),
+    "layers.{i}.q_norm.weight": ("model.layers.{i}.self_attn.q_norm.weight",),
+    "layers.{i}.k_norm.weight": ("model.layers.{i}.self_attn.k_norm.weight",),
+    "layers.{i}.gate_up_proj.weight": ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    "layers.{i}.gate_up_proj.bias": ("model.layers.{i}.mlp.gate_proj.bias", "model.layers.{i}.mlp.up_proj.bias"),
+    "layers.{i}.down_proj.weight": ("model.layers.{i}.mlp.down_proj.weight",),
+    "layers.{i}.down_proj.bias": ("model.layers.{i}.mlp.down_proj.bias",),
+}
+
+_LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
+
+
+def _flag(config, flag: Flag) -> bool:
+    return bool(getattr(config, flag, False)) if isinstance(flag, str) else bool(flag)
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    model_type: str
+    qkv_bias: Flag = False
+    o_bias: Flag = False
+    mlp_bias: Flag = False
+    qk_norm: bool = False
+    weight_map: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_FAMILY_WEIGHTS)
+
+    # -- validation -------------------------------------------------------------------------------
+    def check_supported(self, config, neuron_config: NeuronConfig) -> None:
+        """Refuse, at export, every config feature the static decoder does not implement."""
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"{self.model_type}: config.rope_parameters['rope_type'] = {rope_type!r} is not supported by the "
+                f"static decoder; supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}."
+            )
+        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        if partial not in (None, 1.0):
+            raise ValueError(f"{self.model_type}: partial_rotary_factor = {partial} is not supported (only 1.0).")
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        sliding_used = window is not None and (layer_types is None or "sliding_attention" in layer_types)
+        if sliding_used and window < neuron_config.sequence_length:
+            raise ValueError(
+                f"{self.model_type}: config.sliding_window = {window} is shorter than sequence_length = "
+                f"{neuron_config.sequence_length}; sliding-window attention is not implemented. Export with "
+                f"sequence_length <= {window}."
+            )
+        act = getattr(config, "hidden_act", "silu")
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"{self.model_type}: config.hidden_act = {act!r} is not supported; use one of {SUPPORTED_ACTIVATIONS}."
+            )
+        if config.num_attention_heads % neuron_config.tp_degree:
+            raise ValueError(
+                f"tp_degree (num_cores) = {neuron_config.tp_degree} does not divide num_attention_heads = "
+                f"{config.num_attention_heads}; choose a tp_degree that divides it."
+            )
+
+    # -- decoder spec -----------------------------------------------------------------------------
+    def decoder_spec(self, config, neuron_config: NeuronConfig) -> DecoderSpec:
+        self.check_supported(config, neuron_config)
+        inv_freq, attention_scaling = _rope_parameters(config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return DecoderSpec(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            hidden_act=getattr(config, "hidden_act", "silu"),
+            qkv_bias=_flag(config, self.qkv_bias),
+            o_bias=_flag(config, self.o_bias),
+            mlp_bias=_flag(config, self.mlp_bias),
+            qk_norm=self.qk_norm,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            rope_inv_freq=tuple(float(x) for x in inv_freq),
+            rope_attention_scaling=float(attention_scaling),
+        )
+
+    # -- weights ----------------------------------------------------------------------------------
+    def convert_weights(self, hf_state: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> dict:
+        """Build each decoder parameter in `names` from the Transformers state dict."""
+        out = {}
+        for name in names:
+            match = _LAYER_INDEX.match(name)
+            template = _LAYER_INDEX.sub("layers.{i}.", name) if match else name
+            sources = self.weight_map.get(template)
+            if sources is None:
+                raise KeyError(f"{self.model_type}: no weight mapping for decoder parameter {name!r}.")
+            hf_names = [s.format(i=match.group(1)) if match else s for s in sources]
+            missing = [n for n in hf_names if n not in hf_state]
+            if missing:
+                raise KeyError(
+                    f"{self.model_type}: the checkpoint lacks {missing} (needed for {name!r}); is this really a "
+                    f"{self.model_type} checkpoint?"
+                )
+            tensors = [hf_state[n].detach() for n in hf_names]
+            out[name] = (torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]).to(dtype).contiguous()
+        return out
+
+
+def _rope_parameters(config) -> tuple[torch.Tensor, float]:
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float(), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_type](config)

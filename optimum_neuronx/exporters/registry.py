@@ -1,0 +1,28 @@
+"""model_type -> ExportConfig, imported lazily (one small module per architecture)."""
+
+from __future__ import annotations
+
+import importlib
+
+from .export_config import ExportConfig
+
+_EXPORT_CONFIG_MODULES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(sorted(_EXPORT_CONFIG_MODULES))
+
+
+def get_export_config(model_type: str) -> ExportConfig:
+    module = _EXPORT_CONFIG_MODULES.get(model_type)
+    if module is None:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by optimum-neuronx. "
+            f"Supported model types: {', '.join(supported_model_types())}."
+        )
+    return importlib.import_module(f"{__package__}.{module}").EXPORT_CONFIG

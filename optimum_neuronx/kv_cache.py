@@ -1,0 +1,60 @@
+"""The KV cache the runtime owns, and the small handle Transformers' generate passes back to us."""
+
+from __future__ import annotations
+
+import torch
+
+from .modeling.decoder import DecoderSpec
+
+
+class StaticKVCache:
+    """Preallocated K/V for every layer, written in place by the compiled graphs, plus slot validity.
+
+    `key_valid[b, s]` says whether cache slot s of sequence b holds a real token (left padding does not).
+    """
+
+    def __init__(self, spec: DecoderSpec, batch_size: int, sequence_length: int, dtype: torch.dtype):
+        # Zeros, not empty: masked slots are still multiplied by 0 in attention, and 0 * NaN is NaN.
+        self.kv = [torch.zeros(spec.kv_cache_shape(batch_size, sequence_length), dtype=dtype)
+                   for _ in range(spec.num_layers)]
+        self.key_valid = torch.zeros(batch_size, sequence_length, dtype=torch.bool)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        n = rows.numel()
+        for layer in self.kv:
+            layer[:, :n] = layer[:, rows]
+        self.key_valid[:n] = self.key_valid[rows]
+
+
+class CacheHandle:
+    """Stands for the on-device cache in `CausalLMOutputWithPast.past_key_values`.
+
+    generate hands it back on every step: "past_key_values is the handle returned last" means continue,
+    anything else (None, a fresh DynamicCache) means encode a new context. Deliberately not a
+    `transformers.Cache` subclass: an empty one claims to be compileable and generate then builds 4D masks.
+    """
+
+    is_compileable = False
+
+    def __init__(self, cache: StaticKVCache, length: int):
+        self._cache = cache
+        self.length = length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self._cache.key_valid.shape[1]
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` tokens (negative: drop that many); a static cache only moves its end."""
+        if max_length < 0:
+            max_length = self.length + max_length
+        self.length = max(0, min(self.length, max_length))
+        self._cache.key_valid[:, self.length:] = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._cache.reorder(beam_idx.to(torch.long))
+
+    def __len__(self) -> int:
+        return len(self._cache.kv)

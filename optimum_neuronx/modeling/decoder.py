@@ -1,0 +1,174 @@
+"""One static-shape decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+A single forward serves both graphs:
+
+    forward(input_ids[B, T], position_ids[B, T], cache_start[1], key_valid[B, W], last_index[B], kv_caches)
+        -> logits[B, V] (float32)
+
+* context encoding: T = W = prompt bucket, cache_start = 0;
+* token generation: T = 1, W = token-generation bucket, cache_start = the slot the token is written to.
+
+The T new tokens are written at cache slots cache_start .. cache_start + T - 1 of the preallocated
+per-layer caches `kv_caches[layer][2 (k/v), B, kv_heads, S, head_dim]`, then attention reads slots
+0 .. W - 1. One tensor per layer (not one stacked tensor) keeps every layer's generated kernels
+identical, so the compiler emits them once: compile time no longer grows with the layer count.
+Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal). Only the hidden
+state at `last_index` goes through the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    rope_inv_freq: tuple[float, ...]
+    rope_attention_scaling: float
+
+    def kv_cache_shape(self, batch_size: int, sequence_length: int) -> tuple[int, ...]:
+        """Shape of one layer's cache."""
+        return (2, batch_size, self.num_kv_heads, sequence_length, self.head_dim)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like Transformers, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.spec = spec
+        s = spec
+        self.input_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.qkv_proj = nn.Linear(s.hidden_size, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.act = _ACTIVATIONS[s.hidden_act]
+
+    def forward(self, h, cos, sin, mask, slots, kv_cache):
+        s = self.spec
+        B, T, _ = h.shape
+        W = mask.shape[-1]
+        n_rep = s.num_heads // s.num_kv_heads
+
+        qkv = self.qkv_proj(self.input_norm(h))
+        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
+        q = q.view(B, T, s.num_heads, s.head_dim)
+        k = k.view(B, T, s.num_kv_heads, s.head_dim)
+        v = v.view(B, T, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+
+        # One index_put_ on the whole (layer's) cache tensor writes K and V in place; writing through
+        # views would make AOTInductor copy the whole cache every layer.
+        new_kv = torch.stack((k, v)).permute(0, 1, 3, 2, 4)  # [2, B, kv_heads, T, D]
+        dev = kv_cache.device
+        index = (
+            torch.arange(2, device=dev).view(2, 1, 1, 1),
+            torch.arange(B, device=dev).view(1, B, 1, 1),
+            torch.arange(s.num_kv_heads, device=dev).view(1, 1, s.num_kv_heads, 1),
+            slots.view(1, 1, 1, T),
+        )
+        kv_cache.index_put_(index, new_kv.to(kv_cache.dtype))
+        keys = kv_cache[0, :, :, :W]
+        values = kv_cache[1, :, :, :W]
+
+        # GQA without repeating K/V: fold the query heads of one KV group into the query axis.
+        q = q.transpose(1, 2).reshape(B, s.num_kv_heads, n_rep * T, s.head_dim)
+        attn = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask.repeat(1, 1, n_rep, 1), scale=s.head_dim**-0.5
+        )
+        attn = attn.view(B, s.num_kv_heads, n_rep, T, s.head_dim).permute(0, 3, 1, 2, 4)
+        h = h + self.o_proj(attn.reshape(B, T, s.num_heads * s.head_dim))
+
+        gate, up = self.gate_up_proj(self.post_attention_norm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(self.act(gate) * up)
+
+
+class StaticDecoder(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # Explicit device: the decoder is built on the meta device at export and only this buffer is real.
+        self.register_buffer("rope_inv_freq", torch.tensor(spec.rope_inv_freq, dtype=torch.float32, device="cpu"))
+
+    def parameter_names(self) -> list[str]:
+        """Names filled from the checkpoint (the RoPE buffer is derived from the config)."""
+        return [name for name, _ in self.named_parameters()]
+
+    def forward(self, input_ids, position_ids, cache_start, key_valid, last_index, kv_caches):
+        B, T = input_ids.shape
+        W = key_valid.shape[1]
+        dtype = self.embed_tokens.weight.dtype
+        h = self.embed_tokens(input_ids)
+
+        freqs = position_ids[..., None].float() * self.rope_inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
+        sin = (emb.sin() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
+
+        slots = cache_start + torch.arange(T, device=input_ids.device)  # [T]
+        key_slots = torch.arange(W, device=input_ids.device)
+        allowed = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[None, None, :, None])
+        # A finite minimum, not -inf: rows with nothing to attend to (padding) must not produce NaN.
+        mask = torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)  # [B, 1, T, W]
+
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, mask, slots, kv_cache)
+
+        h = h[torch.arange(B, device=h.device), last_index]  # [B, hidden]
+        h = self.norm(h)
+        weight = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        return F.linear(h, weight).float()

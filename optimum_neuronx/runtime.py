@@ -1,0 +1,257 @@
+"""NeuronModelForCausalLM: runs the compiled graphs behind Transformers' GenerationMixin."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import AutoConfig, GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .artifacts import WEIGHTS_NAME, atomic_directory, copy_artifact_files, read_artifact
+from .backends import GraphSpec, get_backend
+from .buckets import context_bucket, token_bucket
+from .configuration import NeuronConfig
+from .exporters.registry import get_export_config
+from .kv_cache import CacheHandle, StaticKVCache
+
+logger = logging.getLogger(__name__)
+
+# from_pretrained keyword -> NeuronConfig field.
+_NEURON_KWARGS = {
+    "batch_size": "batch_size",
+    "sequence_length": "sequence_length",
+    "num_cores": "tp_degree",
+    "tp_degree": "tp_degree",
+    "auto_cast_type": "auto_cast_type",
+    "context_buckets": "context_buckets",
+    "token_buckets": "token_buckets",
+    "backend": "backend",
+    "compiler_args": "compiler_args",
+}
+
+
+class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
+    """A causal LM compiled to static-shape graphs; generate() is Transformers' own."""
+
+    config_class = PretrainedConfig
+    main_input_name = "input_ids"
+    base_model_prefix = "neuron_model"
+
+    def __init__(self, config, neuron_config: NeuronConfig, graphs: dict, weights: dict, artifact_dir: Path,
+                 generation_config: Optional[GenerationConfig] = None, tmpdir=None):
+        super().__init__(config)
+        self.neuron_config = neuron_config
+        self._graphs = graphs
+        self._weights = weights  # the compiled graphs point into these tensors: keep them alive
+        self._artifact_dir = Path(artifact_dir)
+        self._tmpdir = tmpdir  # owns the export directory of a model exported but not yet saved
+        spec = get_export_config(config.model_type).decoder_spec(config, neuron_config)
+        self._cache = StaticKVCache(spec, neuron_config.batch_size, neuron_config.sequence_length,
+                                    neuron_config.torch_dtype)
+        self._handle: Optional[CacheHandle] = None
+        if generation_config is not None:
+            self.generation_config = generation_config
+
+    # GenerationMixin and pipeline read these; with no torch parameters the base properties fail.
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.neuron_config.torch_dtype
+
+    # -- loading and saving -----------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_id: str | Path, *, export: bool = False,
+                        neuron_config: Optional[NeuronConfig] = None, **kwargs) -> "NeuronModelForCausalLM":
+        """Load an exported directory (or Hub repo), or with `export=True` compile a Transformers checkpoint.
+
+        Export keywords: batch_size, sequence_length, num_cores (tp_degree), auto_cast_type, context_buckets,
+        token_buckets, backend, compiler_args — or a ready `neuron_config`. Other keywords go to Transformers'
+        loaders (revision, token, trust_remote_code, ...).
+        """
+        neuron_kwargs = {_NEURON_KWARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in _NEURON_KWARGS}
+        neuron_kwargs = {k: v for k, v in neuron_kwargs.items() if v is not None}
+        if export:
+            if neuron_config is not None and neuron_kwargs:
+                raise ValueError(f"Pass either neuron_config or {sorted(neuron_kwargs)}, not both.")
+            neuron_config = neuron_config or NeuronConfig(**neuron_kwargs)
+            from .exporters.export import export as run_export
+
+            tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
+            out_dir = Path(tmpdir.name) / "model"
+            run_export(str(model_id), out_dir, neuron_config, hf_kwargs=kwargs)
+            return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True)
+        artifact_dir = _resolve_artifact_dir(model_id, kwargs)
+        model = cls._from_artifact(artifact_dir)
+        requested = dict(neuron_kwargs, **(neuron_config.to_dict() if neuron_config else {}))
+        compiled = model.neuron_config.to_dict()
+        differing = {k: v for k, v in NeuronConfig(**{**compiled, **requested}).to_dict().items() if compiled[k] != v}
+        if differing:
+            raise ValueError(
+                f"{model_id} was compiled with " + ", ".join(f"{k}={compiled[k]!r}" for k in differing)
+                + f" but {differing} was asked for. Compiled shapes are fixed: re-export with "
+                  f"NeuronModelForCausalLM.from_pretrained(<original model>, export=True, ...)."
+            )
+        return model
+
+    @classmethod
+    def _from_artifact(cls, artifact_dir: Path, tmpdir=None, compiled: bool = False) -> "NeuronModelForCausalLM":
+        from safetensors.torch import load_file
+
+        start = time.perf_counter()
+        neuron_config, meta = read_artifact(artifact_dir)
+        config = AutoConfig.from_pretrained(artifact_dir)
+        weights = load_file(str(Path(artifact_dir) / WEIGHTS_NAME))
+        graph_specs = [GraphSpec(**g) for g in meta["graphs"]]
+        graphs = get_backend(neuron_config.backend).load(artifact_dir, graph_specs, weights)
+        generation_config = None
+        if (Path(artifact_dir) / "generation_config.json").is_file():
+            generation_config = GenerationConfig.from_pretrained(artifact_dir)
+        model = cls(config, neuron_config, graphs, weights, artifact_dir, generation_config, tmpdir)
+        logger.info("Loaded %d compiled graphs from %s in %.2f s%s", len(graphs), artifact_dir,
+                    time.perf_counter() - start, "" if compiled else " (no compilation)")
+        return model
+
+    def save_pretrained(self, save_directory: str | Path, **kwargs) -> None:
+        """Write the artifact (weights, graphs, configs, tokenizer files) to `save_directory`, atomically."""
+        save_directory = Path(save_directory)
+        if save_directory.exists() and save_directory.resolve() == self._artifact_dir.resolve():
+            return
+        with atomic_directory(save_directory) as staging:
+            copy_artifact_files(self._artifact_dir, staging)
+
+    # -- generation ---------------------------------------------------------------------------------
+    def generate(self, inputs=None, generation_config=None, truncate_to_sequence_length: bool = False, **kwargs):
+        """Transformers' generate, after checking the request fits the compiled shapes.
+
+        A request longer than `sequence_length` is an error; with `truncate_to_sequence_length=True`
+        max_new_tokens is lowered to fit instead, and a warning says so.
+        """
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if torch.is_tensor(input_ids) and input_ids.dim() == 2:
+            fitted = self._fit_generation_length(input_ids.shape, generation_config, kwargs,
+                                                 truncate_to_sequence_length)
+            if fitted is not None:
+                kwargs["max_new_tokens"] = fitted
+                kwargs.pop("max_length", None)
+        return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+    def _fit_generation_length(self, shape, generation_config, kwargs, truncate) -> Optional[int]:
+        nc = self.neuron_config
+        batch, prompt = shape
+        config = copy.deepcopy(generation_config or self.generation_config)
+        config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+        beams = config.num_beams or 1
+        rows = batch * (beams if beams > 1 else (config.num_return_sequences or 1))
+        self._check_batch(rows, f"batch of {batch} prompts x {max(beams, config.num_return_sequences or 1)} "
+                                f"beams/sequences")
+        context_bucket(prompt, nc.context_buckets)  # raises if the prompt does not fit any bucket
+        new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
+        if prompt + new_tokens <= nc.sequence_length:
+            return None
+        room = nc.sequence_length - prompt
+        if truncate and room > 0:
+            logger.warning("max_new_tokens lowered from %d to %d: prompt (%d tokens) + new tokens must fit "
+                           "sequence_length=%d.", new_tokens, room, prompt, nc.sequence_length)
+            return room
+        raise ValueError(
+            f"The prompt ({prompt} tokens) + max_new_tokens ({new_tokens}) = {prompt + new_tokens} exceeds the "
+            f"compiled sequence_length ({nc.sequence_length}). Use max_new_tokens <= {max(room, 0)}, pass "
+            f"truncate_to_sequence_length=True to cap it, or re-export with sequence_length >= {prompt + new_tokens}."
+        )
+
+    def _check_batch(self, rows: int, what: str) -> None:
+        if rows > self.neuron_config.batch_size:
+            raise ValueError(
+                f"The {what} needs {rows} rows but the model was compiled for batch_size="
+                f"{self.neuron_config.batch_size}. Split the batch, or re-export with batch_size >= {rows}."
+            )
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
+                past_key_values=None, use_cache: bool = True, logits_to_keep=None, **kwargs):
+        """Context encoding when `past_key_values` is not our live handle, else one decode step per token.
+
+        Positions come from `attention_mask` (left padding); without a mask every row is full.
+        Context encoding returns the last position's logits only: [batch, 1, vocab].
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}.")
+        self._check_batch(input_ids.shape[0], f"batch of {input_ids.shape[0]} sequences")
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(torch.bool)
+        if past_key_values is not None and past_key_values is self._handle and self._handle.length > 0:
+            logits = self._decode(input_ids, attention_mask)
+        else:
+            if logits_to_keep not in (None, 1) and input_ids.shape[1] > 1:
+                raise ValueError(f"logits_to_keep={logits_to_keep}: context-encoding graphs only return the last "
+                                 f"position's logits (logits_to_keep=1).")
+            logits = self._encode(input_ids, attention_mask)
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            logits = logits[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(logits=logits, past_key_values=self._handle)
+
+    def _encode(self, input_ids, attention_mask) -> torch.Tensor:
+        b, n = input_ids.shape
+        nc = self.neuron_config
+        bucket = context_bucket(n, nc.context_buckets)
+        mask = attention_mask if attention_mask is not None else torch.ones(b, n, dtype=torch.bool)
+        ids = torch.zeros(nc.batch_size, bucket, dtype=torch.long)
+        ids[:b, :n] = input_ids
+        cache = self._cache
+        cache.key_valid.zero_()
+        cache.key_valid[:b, :n] = mask
+        positions = torch.zeros(nc.batch_size, bucket, dtype=torch.long)
+        positions[:b, :n] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        last = torch.full((nc.batch_size,), n - 1, dtype=torch.long)
+        logits = self._graphs[f"context_{bucket}"](
+            [ids, positions, torch.zeros(1, dtype=torch.long), cache.key_valid[:, :bucket].contiguous(), last, *cache.kv]
+        )
+        self._handle = CacheHandle(cache, n)
+        return logits[:b, None, :]
+
+    def _decode(self, input_ids, attention_mask) -> torch.Tensor:
+        b, n = input_ids.shape
+        nc = self.neuron_config
+        cache, handle = self._cache, self._handle
+        out = []
+        for j in range(n):  # several tokens (e.g. after a rollback) are fed one decode step each
+            slot = handle.length
+            window = token_bucket(slot, nc.token_buckets)
+            if attention_mask is not None:
+                if attention_mask.shape[1] < slot + 1:
+                    raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens but the cache holds "
+                                     f"{slot} + {n} new ones.")
+                cache.key_valid[:b, : slot + 1] = attention_mask[:, : slot + 1]
+                position = attention_mask[:, : slot + 1].long().sum(-1) - 1
+            else:
+                cache.key_valid[:b, : slot + 1] = True
+                position = torch.full((b,), slot, dtype=torch.long)
+            ids = torch.zeros(nc.batch_size, 1, dtype=torch.long)
+            ids[:b, 0] = input_ids[:, j]
+            positions = torch.zeros(nc.batch_size, 1, dtype=torch.long)
+            positions[:b, 0] = position.clamp(min=0)
+            logits = self._graphs[f"token_{window}"](
+                [ids, positions, torch.tensor([slot]), cache.key_valid[:, :window].contiguous(),
+                 torch.zeros(nc.batch_size, dtype=torch.long), *cache.kv]
+            )
+            handle.length = slot + 1
+            out.append(logits[:b])
+        return torch.stack(out, dim=1)
+
+
+def _resolve_artifact_dir(model_id: str | Path, hub_kwargs: dict) -> Path:
+    path = Path(model_id)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    allowed = {k: hub_kwargs[k] for k in ("revision", "token", "cache_dir") if k in hub_kwargs}
+    return Path(snapshot_download(str(model_id), **allowed))

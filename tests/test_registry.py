@@ -1,0 +1,83 @@
+"""Export configs: declarative tables, and refusal of what the static decoder does not implement."""
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from conftest import ARCHITECTURES, TINY_COMMON, TINY_CONFIGS
+from optimum_neuronx import NeuronConfig
+from optimum_neuronx.exporters import get_export_config, supported_model_types
+from optimum_neuronx.memory import GIB, check_fits_neuron_cores, estimate_memory, parameter_count
+from optimum_neuronx.modeling.decoder import StaticDecoder
+
+SMALL = NeuronConfig(sequence_length=64)
+
+
+def _config(model_type, **overrides):
+    return AutoConfig.for_model(model_type, **{**TINY_COMMON, **TINY_CONFIGS[model_type], **overrides})
+
+
+def test_supported_model_types():
+    assert supported_model_types() == ("llama", "mistral", "qwen2", "qwen3")
+
+
+def test_unknown_model_type_lists_supported():
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported.*llama, mistral, qwen2, qwen3"):
+        get_export_config("gpt2")
+
+
+@pytest.mark.parametrize("model_type, flags", [
+    ("llama", dict(qkv_bias=True, o_bias=True, qk_norm=False, tie_word_embeddings=False)),
+    ("mistral", dict(qkv_bias=False, o_bias=False, qk_norm=False, tie_word_embeddings=False)),
+    ("qwen2", dict(qkv_bias=True, o_bias=False, qk_norm=False, tie_word_embeddings=True)),
+    ("qwen3", dict(qkv_bias=False, o_bias=False, qk_norm=True, tie_word_embeddings=False)),
+])
+def test_flags_and_weight_mapping_cover_every_parameter(model_type, flags):
+    from transformers import AutoModelForCausalLM
+
+    config = _config(model_type)
+    export_config = get_export_config(model_type)
+    spec = export_config.decoder_spec(config, SMALL)
+    assert {k: getattr(spec, k) for k in flags} == flags
+    hf = AutoModelForCausalLM.from_config(config)
+    decoder = StaticDecoder(spec)
+    weights = export_config.convert_weights(hf.state_dict(), decoder.parameter_names(), torch.float32)
+    assert set(weights) == set(decoder.parameter_names())
+    assert sum(w.numel() for w in weights.values()) == sum(p.numel() for p in hf.parameters())
+    assert parameter_count(spec) == sum(p.numel() for p in hf.parameters())
+    hf_q = hf.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(weights["layers.1.qkv_proj.weight"][: hf_q.shape[0]], hf_q)
+
+
+@pytest.mark.parametrize("model_type, overrides, message", [
+    ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+     r"llama: config.rope_parameters\['rope_type'\] = 'dynamic' is not supported.*default, linear, llama3, yarn"),
+    ("mistral", dict(sliding_window=32),
+     r"mistral: config.sliding_window = 32 is shorter than sequence_length = 64.*sequence_length <= 32"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0),
+     r"qwen2: config.sliding_window = 16 is shorter than sequence_length = 64"),
+    ("llama", dict(hidden_act="swish_glu"), r"config.hidden_act = 'swish_glu' is not supported"),
+])
+def test_unsupported_config_features_are_refused(model_type, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        get_export_config(model_type).decoder_spec(_config(model_type, **overrides), SMALL)
+
+
+def test_sliding_window_longer_than_sequence_is_accepted():
+    get_export_config("mistral").decoder_spec(_config("mistral", sliding_window=4096), SMALL)
+
+
+def test_memory_plan_for_a_1b_llama():
+    config = AutoConfig.for_model("llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                  num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
+    neuron_config = NeuronConfig(batch_size=4, sequence_length=2048, auto_cast_type="bf16")
+    spec = get_export_config("llama").decoder_spec(config, neuron_config)
+    estimate = estimate_memory(spec, neuron_config)
+    assert abs(estimate.weight_bytes / 1e9 - 2.2) < 0.01  # 1.1B parameters x 2 bytes
+    assert estimate.kv_cache_bytes == 2 * 22 * 4 * 2048 * 4 * 64 * 2
+    assert estimate.min_tp_degree == 1
+    big = NeuronConfig(batch_size=64, sequence_length=4096, auto_cast_type="fp32", tp_degree=1)
+    big_estimate = estimate_memory(spec, big)
+    assert big_estimate.total_bytes > 16 * GIB
+    with pytest.raises(ValueError, match=r"tp_degree \(num_cores\) = 1 needs .* GiB per NeuronCore.*use num_cores="):
+        check_fits_neuron_cores(big_estimate, spec)
