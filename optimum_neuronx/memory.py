@@ -6,20 +6,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .configuration import SUPPORTED_TP_DEGREES, NeuronConfig
-from .modeling.decoder import DecoderSpec
+from .modeling.decoder import DecoderSpec, StaticDecoder
 
 GIB = 1024**3
 NEURON_CORE_MEMORY = 16 * GIB  # HBM per NeuronCore on Inf2 / Trn1
 
 
 def parameter_count(spec: DecoderSpec) -> int:
-    s = spec
-    qkv = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-    attn = qkv + s.num_heads * s.head_dim * s.hidden_size
-    mlp = 3 * s.hidden_size * s.intermediate_size
-    per_layer = attn + mlp + 2 * s.hidden_size + (2 * s.head_dim if s.qk_norm else 0)
-    embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
-    return s.num_layers * per_layer + embeddings + s.hidden_size
+    """Exact count, from the decoder itself built on the meta device (no memory is allocated)."""
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in StaticDecoder(spec).parameters())
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def test_memory_plan_for_a_1b_llama():
     assert abs(estimate.weight_bytes / 1e9 - 2.2) < 0.01  # 1.1B parameters x 2 bytes
     assert estimate.kv_cache_bytes == 2 * 22 * 4 * 2048 * 4 * 64 * 2
     assert estimate.min_tp_degree == 1
-    big = NeuronConfig(batch_size=64, sequence_length=4096, auto_cast_type="fp32", tp_degree=1)
+    big = NeuronConfig(batch_size=128, sequence_length=4096, auto_cast_type="fp32", tp_degree=1)
     big_estimate = estimate_memory(spec, big)
     assert big_estimate.total_bytes > 16 * GIB
     with pytest.raises(ValueError, match=r"tp_degree \(num_cores\) = 1 needs .* GiB per NeuronCore.*use num_cores="):
