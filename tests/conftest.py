@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -43,42 +44,25 @@ def build_tiny_checkpoint(model_type: str, directory, **overrides):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    made = {}
-
-    def get(model_type: str):
-        if model_type not in made:
-            made[model_type] = build_tiny_checkpoint(model_type, tmp_path_factory.mktemp(f"tiny-{model_type}"))
-        return made[model_type]
-
-    return get
+    """model_type -> directory of a tiny random checkpoint (built once per session)."""
+    return functools.cache(lambda model_type: build_tiny_checkpoint(
+        model_type, tmp_path_factory.mktemp(f"tiny-{model_type}")))
 
 
 @pytest.fixture(scope="session")
 def reference_model(tiny_checkpoint):
+    """model_type -> the Transformers eager model of the tiny checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    loaded = {}
-
-    def get(model_type: str):
-        if model_type not in loaded:
-            loaded[model_type] = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(model_type)).eval()
-        return loaded[model_type]
-
-    return get
+    return functools.cache(lambda model_type: AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoint(model_type)).eval())
 
 
 @pytest.fixture(scope="session")
 def compiled_model(tiny_checkpoint):
-    """Tiny model of each architecture exported with TINY_EXPORT (compiled once per session)."""
-    compiled = {}
-
-    def get(model_type: str):
-        if model_type not in compiled:
-            compiled[model_type] = NeuronModelForCausalLM.from_pretrained(
-                tiny_checkpoint(model_type), export=True, **TINY_EXPORT)
-        return compiled[model_type]
-
-    return get
+    """model_type -> the tiny checkpoint exported with TINY_EXPORT (compiled once per session)."""
+    return functools.cache(lambda model_type: NeuronModelForCausalLM.from_pretrained(
+        tiny_checkpoint(model_type), export=True, **TINY_EXPORT))
 
 
 @pytest.fixture(scope="session")

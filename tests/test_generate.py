@@ -125,3 +125,15 @@ def test_forward_rolls_back_with_crop(pair):
     with torch.no_grad():
         expected = pair[0](torch.cat([ids, steps], 1)).logits[:, -3:]
     assert (again - expected).abs().max().item() < 1e-3
+
+
+def test_kv_cache_is_written_in_place(pair):
+    """The graphs write the runtime's own cache tensors: same storage before and after, new slot filled."""
+    model = pair[1]
+    cache = model._cache
+    pointers = [layer.data_ptr() for layer in cache.kv]
+    handle = model(torch.tensor([[1, 2, 3, 4, 5]])).past_key_values
+    model(torch.tensor([[6]]), past_key_values=handle)
+    assert [layer.data_ptr() for layer in cache.kv] == pointers
+    assert all(layer[:, 0, :, 5].abs().sum() > 0 for layer in cache.kv)  # slot 5 holds token 6's K and V
+    assert handle.get_seq_length() == 6

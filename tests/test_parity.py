@@ -77,21 +77,28 @@ def bf16_llama(tiny_checkpoint):
                                                   auto_cast_type="bf16")
 
 
-def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, bf16_llama, left_padded_batch):
-    """bf16 greedy paths diverge between any two implementations: compare logits on the same tokens instead."""
+def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, reference_model, bf16_llama,
+                                                    left_padded_batch):
+    """bf16 greedy paths diverge between any two implementations: compare logits on the same tokens instead.
+
+    The yardstick is bf16's own rounding noise: Transformers eager in bf16 vs the fp32 reference.
+    """
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.bfloat16).eval()
+    eager_bf16 = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.bfloat16).eval()
     input_ids, attention_mask = (t[1:] for t in left_padded_batch)  # 2 rows: lengths 9 and 14
     continuation = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(3))
     full_ids = torch.cat([input_ids, continuation], 1)
     full_mask = torch.cat([attention_mask, torch.ones_like(continuation)], 1)
+    positions = slice(input_ids.shape[1] - 1, None)
     with torch.no_grad():
-        expected = reference(input_ids=full_ids, attention_mask=full_mask).logits[:, input_ids.shape[1] - 1:].float()
+        fp32 = reference_model("llama")(input_ids=full_ids, attention_mask=full_mask).logits[:, positions]
+        eager = eager_bf16(input_ids=full_ids, attention_mask=full_mask).logits[:, positions].float()
     first = bf16_llama(input_ids=input_ids, attention_mask=attention_mask)
     steps = bf16_llama(continuation, attention_mask=full_mask, past_key_values=first.past_key_values, logits_to_keep=0)
-    actual = torch.cat([first.logits, steps.logits], 1)
-    diff = (actual - expected).abs().max().item()
-    scale = expected.abs().max().item()
-    print(f"bf16: max |logit diff| = {diff:.3f} (largest |logit| {scale:.1f})")
-    assert diff < 0.02 * scale
+    ours = torch.cat([first.logits, steps.logits], 1)
+    ours_error = (ours - fp32).abs().max().item()
+    eager_error = (eager - fp32).abs().max().item()
+    print(f"bf16 vs fp32 reference: max |logit diff| ours {ours_error:.3f}, Transformers eager bf16 {eager_error:.3f}"
+          f" (ours vs eager bf16: {(ours - eager).abs().max().item():.3f}; largest |logit| {fp32.abs().max():.1f})")
+    assert ours_error <= 2 * eager_error + 1e-2

@@ -90,12 +90,19 @@ def export(model_id: str, output_dir: str | Path, neuron_config: NeuronConfig,
     return meta
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _save_tokenizer(model_id: str, directory: Path, hf_kwargs: dict) -> None:
     from transformers import AutoTokenizer
 
+    local = Path(model_id)
+    if local.is_dir() and not any((local / name).is_file() for name in _TOKENIZER_FILES):
+        logger.info("%s has no tokenizer files; the export has none either.", model_id)
+        return
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_id, **hf_kwargs)
-    except (OSError, ValueError, TypeError) as err:  # a checkpoint without tokenizer files is still exportable
-        logger.warning("No tokenizer saved with the export (%s).", err)
+    except (OSError, ValueError, TypeError) as err:  # a checkpoint without a tokenizer is still exportable
+        logger.warning("No tokenizer saved with the export: %s", str(err).splitlines()[0])
         return
     tokenizer.save_pretrained(directory)
