@@ -102,3 +102,21 @@ def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, reference_
     print(f"bf16 vs fp32 reference: max |logit diff| ours {ours_error:.3f}, Transformers eager bf16 {eager_error:.3f}"
           f" (ours vs eager bf16: {(ours - eager).abs().max().item():.3f}; largest |logit| {fp32.abs().max():.1f})")
     assert ours_error <= 2 * eager_error + 1e-2
+
+
+def test_reexport_with_other_sequence_length_does_not_reuse_stale_kernels(compiled_model, tiny_checkpoint,
+                                                                          reference_model, left_padded_batch):
+    """Same architecture and bucket names as the shared fixture, another KV-cache length.
+
+    AOTInductor's default build directory is keyed by the FX code, which does not encode shapes: without a
+    fresh build directory per graph, this export silently reused the S=64 kernels and wrote a wrong cache.
+    """
+    from optimum_neuronx import NeuronModelForCausalLM
+
+    compiled_model("llama")  # compile the S=64 graphs first, in this process
+    longer = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=3,
+                                                    sequence_length=128, context_buckets=[16], token_buckets=[32, 128])
+    input_ids, attention_mask = left_padded_batch
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=45, min_new_tokens=45, do_sample=False)
+    expected = reference_model("llama").generate(input_ids=input_ids, **kwargs)
+    assert torch.equal(longer.generate(input_ids=input_ids, **kwargs), expected)

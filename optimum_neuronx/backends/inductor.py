@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -64,21 +65,26 @@ class InductorBackend(Backend):
 
         user_options = parse_compiler_args(compiler_args)
         files, times = {}, {}
-        for graph in tqdm(graphs, desc="Compiling graphs", unit="graph"):
-            start = time.perf_counter()
-            args = example_inputs(graph)
-            program = torch.export.export(decoder, args, strict=False)
-            options = {
-                **user_options,
-                "aot_inductor.package": True,
-                "aot_inductor.package_constants_in_so": False,
-                "aot_inductor.model_name_for_generated_files": graph.name,
-            }
-            files[graph.name] = torch._inductor.aot_compile(program.module(), args, options=options)
-            times[graph.name] = time.perf_counter() - start
-            logger.info("Compiled graph %s (tokens=%d, window=%d) in %.1f s", graph.name, graph.tokens, graph.window,
-                        times[graph.name])
-        package_aoti(str(Path(out_dir) / PACKAGE_NAME), files)
+        with tempfile.TemporaryDirectory(prefix="optimum-neuronx-aoti-") as build_dir:
+            for graph in tqdm(graphs, desc="Compiling graphs", unit="graph"):
+                start = time.perf_counter()
+                args = example_inputs(graph)
+                program = torch.export.export(decoder, args, strict=False)
+                options = {
+                    **user_options,
+                    "aot_inductor.package": True,
+                    "aot_inductor.package_constants_in_so": False,
+                    "aot_inductor.model_name_for_generated_files": graph.name,
+                    # A fresh directory per graph. By default AOTInductor writes into a directory named by the
+                    # hash of the FX code, which does not encode tensor shapes, and keeps files that already
+                    # exist there: an export with another sequence_length would reuse stale kernels.
+                    "aot_inductor.output_path": str(Path(build_dir) / graph.name),
+                }
+                files[graph.name] = torch._inductor.aot_compile(program.module(), args, options=options)
+                times[graph.name] = time.perf_counter() - start
+                logger.info("Compiled graph %s (tokens=%d, window=%d) in %.1f s", graph.name, graph.tokens,
+                            graph.window, times[graph.name])
+            package_aoti(str(Path(out_dir) / PACKAGE_NAME), files)
         return times
 
     def load(self, artifact_dir, graphs, weights) -> dict[str, CompiledGraph]:
