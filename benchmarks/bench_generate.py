@@ -71,26 +71,30 @@ def bench_smollm2(args, work: Path) -> list[dict]:
         compile_s = json.loads((export_dir / "neuron_config.json").read_text())["compile_time_s"]
         for batch_size in args.batch_sizes:
             inputs = prompt_inputs(tokenizer, batch_size)
+            greedy = dict(max_new_tokens=args.new_tokens, do_sample=False)
+            # A fast wrong model is worthless: record whether greedy tokens equal eager's (exact in fp32).
+            tokens_match = torch.equal(compiled.generate(**inputs, **greedy), eager.generate(**inputs, **greedy))
             systems = {"transformers eager": eager, "optimum-neuronx (inductor)": compiled}
             for name, model in tqdm(systems.items(), desc=f"smollm2 {dtype} batch {batch_size}"):
                 row = {"model": "SmolLM2-135M-Instruct", "dtype": dtype, "batch_size": batch_size, "system": name,
                        "prompt_tokens": inputs["input_ids"].shape[1], "new_tokens": args.new_tokens}
                 row.update(measure(model, inputs, args.new_tokens, args.repeats))
                 if model is compiled:
-                    row.update(compile_s_per_graph=compile_s, reload_s=reload_s)
+                    row.update(compile_s_per_graph=compile_s, reload_s=reload_s, greedy_tokens_match=tokens_match)
                 results.append(row)
     return results
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| model | dtype | batch | system | TTFT (ms) | decode tok/s | vs eager |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | dtype | batch | system | TTFT (ms) | decode tok/s | vs eager | greedy = eager |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in results:
         base = next(r for r in results if r["system"] == "transformers eager" and r["dtype"] == row["dtype"]
                     and r["batch_size"] == row["batch_size"] and r["model"] == row["model"])
         lines.append(f"| {row['model']} | {row['dtype']} | {row['batch_size']} | {row['system']} | "
                      f"{row['ttft_s'] * 1e3:.1f} | {row['decode_tok_s']:.1f} | "
-                     f"{row['decode_tok_s'] / base['decode_tok_s']:.2f}x |")
+                     f"{row['decode_tok_s'] / base['decode_tok_s']:.2f}x | "
+                     f"{ {True: 'yes', False: 'NO'}.get(row.get('greedy_tokens_match'), '-') } |")
     return "\n".join(lines)
 
 
