@@ -3,7 +3,7 @@
 from .configuration import NeuronConfig
 from .version import __version__
 
-__all__ = ["NeuronConfig", "NeuronModelForCausalLM", "__version__"]
+__all__ = ["NeuronConfig", "NeuronModelForCausalLM", "pipeline", "__version__"]
 
 
 def __getattr__(name):
@@ -12,4 +12,8 @@ def __getattr__(name):
         from .runtime import NeuronModelForCausalLM
 
         return NeuronModelForCausalLM
+    if name == "pipeline":
+        from .pipelines import pipeline
+
+        return pipeline
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from transformers import AutoConfig, GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    GenerationMixin,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .artifacts import WEIGHTS_NAME, atomic_directory, copy_artifact_files, read_artifact
@@ -36,10 +43,20 @@ _NEURON_KWARGS = {
 }
 
 
+class NeuronCausalLMConfig(PretrainedConfig):
+    """Our own model_type, so that the Auto classes (and pipeline's model check) know NeuronModelForCausalLM.
+
+    Instances keep the exported model's own config (e.g. LlamaConfig); registering against LlamaConfig
+    instead would hijack AutoModelForCausalLM for every Llama in the process.
+    """
+
+    model_type = "optimum-neuronx-causal-lm"
+
+
 class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
     """A causal LM compiled to static-shape graphs; generate() is Transformers' own."""
 
-    config_class = PretrainedConfig
+    config_class = NeuronCausalLMConfig
     main_input_name = "input_ids"
     base_model_prefix = "neuron_model"
 
@@ -66,6 +83,11 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
     @property
     def dtype(self) -> torch.dtype:
         return self.neuron_config.torch_dtype
+
+    @property
+    def artifact_dir(self) -> Path:
+        """The directory the compiled graphs and weights are loaded from."""
+        return self._artifact_dir
 
     # -- loading and saving -----------------------------------------------------------------------
     @classmethod
@@ -245,6 +267,10 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             handle.length = slot + 1
             out.append(logits[:b])
         return torch.stack(out, dim=1)
+
+
+AutoConfig.register(NeuronCausalLMConfig.model_type, NeuronCausalLMConfig, exist_ok=True)
+AutoModelForCausalLM.register(NeuronCausalLMConfig, NeuronModelForCausalLM, exist_ok=True)
 
 
 def _resolve_artifact_dir(model_id: str | Path, hub_kwargs: dict) -> Path:
