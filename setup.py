@@ -14,10 +14,12 @@ setup(
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    packages=find_packages(include=["optimum_neuronx", "optimum_neuronx.*"]),
+    # optimum.commands.register is optimum's PEP 420 namespace for optimum-cli plugins.
+    packages=find_packages(include=["optimum_neuronx", "optimum_neuronx.*"]) + ["optimum.commands.register"],
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
+        "optimum>=2.0",
         "transformers>=5.0",
         "huggingface_hub>=0.30",
         "safetensors",

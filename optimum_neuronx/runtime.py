@@ -20,7 +20,7 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .artifacts import WEIGHTS_NAME, atomic_directory, copy_artifact_files, read_artifact
+from .artifacts import WEIGHTS_NAME, ArtifactError, atomic_directory, copy_artifact_files, read_artifact
 from .backends import GraphSpec, get_backend
 from .buckets import context_bucket, token_bucket
 from .configuration import NeuronConfig
@@ -277,6 +277,9 @@ def _resolve_artifact_dir(model_id: str | Path, hub_kwargs: dict) -> Path:
     path = Path(model_id)
     if path.is_dir():
         return path
+    text = str(model_id)
+    if path.is_absolute() or text.startswith(".") or text.count("/") > 1 or isinstance(model_id, Path):
+        raise ArtifactError(f"{model_id} is not a directory (and not a Hub repo id): nothing to load.")
     from huggingface_hub import snapshot_download
 
     allowed = {k: hub_kwargs[k] for k in ("revision", "token", "cache_dir") if k in hub_kwargs}

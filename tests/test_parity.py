@@ -4,23 +4,10 @@ import pytest
 import torch
 
 from conftest import ARCHITECTURES
+from optimum_neuronx.verification import compare_generation
 
 # fp32: compiled and eager differ by ~1e-5; the bound leaves room for kernel reordering only.
 LOGIT_TOLERANCE = 1e-3
-
-
-def _generate_pair(reference, compiled, input_ids, attention_mask, **kwargs):
-    kwargs = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
-    expected = reference.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    actual = compiled.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    return expected, actual
-
-
-def _logit_report(expected, actual):
-    ref = torch.stack(expected.logits, 1)
-    ours = torch.stack(actual.logits, 1)
-    top2 = ref.topk(2, dim=-1).values
-    return (ours - ref).abs().max().item(), (top2[..., 0] - top2[..., 1]).min().item()
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
@@ -28,15 +15,14 @@ def test_greedy_batch_crosses_token_bucket(model_type, reference_model, compiled
                                            record_property):
     input_ids, attention_mask = left_padded_batch
     new_tokens = 45  # prompts of 5..14 tokens + 45 > 32: decode crosses the 32 -> 64 token bucket
-    expected, actual = _generate_pair(reference_model(model_type), compiled_model(model_type), input_ids,
-                                      attention_mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-    max_diff, min_gap = _logit_report(expected, actual)
-    record_property("max_logit_diff", max_diff)
-    record_property("min_top2_gap", min_gap)
-    print(f"{model_type}: max |logit diff| = {max_diff:.2e}, smallest top-1/top-2 gap on the path = {min_gap:.2e}")
-    assert actual.sequences.shape == (3, input_ids.shape[1] + new_tokens)
-    assert max_diff < LOGIT_TOLERANCE, (max_diff, min_gap)
-    assert torch.equal(actual.sequences, expected.sequences)
+    result = compare_generation(reference_model(model_type), compiled_model(model_type), input_ids, attention_mask,
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    record_property("max_logit_diff", result.max_logit_diff)
+    record_property("min_top2_gap", result.min_top2_gap)
+    print(f"{model_type}: {result.summary()}")
+    assert result.new_tokens == new_tokens
+    assert result.max_logit_diff < LOGIT_TOLERANCE, result
+    assert result.tokens_match, result
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)

@@ -137,6 +137,21 @@ class ExportConfig:
         return out
 
 
+    def restore_weights(self, decoder_weights: Mapping[str, torch.Tensor], hf_state: Mapping[str, torch.Tensor]) -> dict:
+        """Inverse of convert_weights: split fused decoder weights back into Transformers' names and shapes."""
+        out = {}
+        for name, tensor in decoder_weights.items():
+            match = _LAYER_INDEX.match(name)
+            template = _LAYER_INDEX.sub("layers.{i}.", name) if match else name
+            if template not in self.weight_map:
+                continue  # derived buffers (RoPE frequencies)
+            hf_names = [s.format(i=match.group(1)) if match else s for s in self.weight_map[template]]
+            sizes = [hf_state[n].shape[0] for n in hf_names]
+            for hf_name, part in zip(hf_names, torch.split(tensor, sizes, dim=0)):
+                out[hf_name] = part.to(hf_state[hf_name].dtype)
+        return out
+
+
 def _rope_parameters(config) -> tuple[torch.Tensor, float]:
     rope = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")

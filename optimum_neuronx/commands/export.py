@@ -1,0 +1,82 @@
+"""`optimum-cli export neuron` / `python -m optimum_neuronx.exporters`: compile a model into a directory."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..version import __version__
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", required=True, help="Hub model id or local Transformers checkpoint directory")
+    parser.add_argument("output", type=Path, help="directory to write the exported model to")
+    parser.add_argument("--batch_size", type=int, default=1, help="compiled batch size (default: 1)")
+    parser.add_argument("--sequence_length", type=int, default=1024,
+                        help="KV-cache length: prompt + generated tokens (default: 1024)")
+    parser.add_argument("--num_cores", type=int, default=1, help="tensor-parallel degree (Neuron; default: 1)")
+    parser.add_argument("--auto_cast_type", default="fp32", help="fp32, bf16 or fp16 (default: fp32)")
+    parser.add_argument("--backend", default="inductor", help="compiler backend (default: inductor)")
+    parser.add_argument("--context_buckets", type=_int_list, default=None, metavar="N[,N...]",
+                        help="prompt lengths to compile prefill graphs for, e.g. 128,512 (default: powers of two "
+                             "from 128 up to sequence_length)")
+    parser.add_argument("--token_buckets", type=_int_list, default=None, metavar="N[,N...]",
+                        help="cache windows to compile decode graphs for; the largest must be sequence_length "
+                             "(default: powers of two from 128 up to sequence_length)")
+    parser.add_argument("--compiler_args", action="append", default=[], metavar="NAME=VALUE",
+                        help="backend option, repeatable; inductor: a torch._inductor.config option")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.add_argument("--revision", default=None, help="Hub revision of --model")
+
+
+def _show_progress() -> None:
+    """Print the package's INFO messages (memory estimate, buckets, compile times), whoever started the CLI."""
+    logger = logging.getLogger("optimum_neuronx")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 128,512; got {text!r}") from None
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from ..artifacts import ArtifactError
+    from ..configuration import NeuronConfig
+    from ..exporters.export import export
+
+    _show_progress()
+    try:
+        if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
+            raise FileExistsError(f"output directory {args.output} exists and is not empty; pass --overwrite "
+                                  f"to replace its content, or choose another directory")
+        neuron_config = NeuronConfig(
+            batch_size=args.batch_size, sequence_length=args.sequence_length, tp_degree=args.num_cores,
+            auto_cast_type=args.auto_cast_type, backend=args.backend, context_buckets=args.context_buckets,
+            token_buckets=args.token_buckets, compiler_args=tuple(args.compiler_args))
+        hf_kwargs = {"revision": args.revision} if args.revision else {}
+        meta = export(args.model, args.output, neuron_config, hf_kwargs=hf_kwargs)
+    except (ValueError, ArtifactError, FileExistsError, OSError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for name, seconds in meta["compile_time_s"].items():
+        print(f"compiled {name} in {seconds:.1f} s")
+    print(f"Exported {args.model} ({neuron_config.auto_cast_type}, batch_size={neuron_config.batch_size}, "
+          f"sequence_length={neuron_config.sequence_length}) to {args.output}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="optimum-cli export neuron",
+                                     description=f"Export a causal LM to compiled graphs (optimum-neuronx {__version__})")
+    add_export_arguments(parser)
+    return run_export(parser.parse_args(argv))

@@ -1,0 +1,5 @@
+import sys
+
+from ..commands.export import main
+
+sys.exit(main())

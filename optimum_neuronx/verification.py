@@ -1,0 +1,73 @@
+"""Check a compiled model against Transformers eager: logits and greedy tokens on the same inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Comparison:
+    max_logit_diff: float  # over every generated step
+    min_top2_gap: float  # smallest top-1/top-2 logit gap along the reference path (numerical headroom)
+    tokens_match: bool
+    new_tokens: int
+
+    def summary(self) -> str:
+        return (f"max |logit diff| {self.max_logit_diff:.2e}, smallest top-1/top-2 gap {self.min_top2_gap:.2e}, "
+                f"greedy tokens {'match' if self.tokens_match else 'DIFFER'} over {self.new_tokens} new tokens")
+
+
+def compare_generation(reference, compiled, input_ids, attention_mask=None, **kwargs) -> Comparison:
+    """Greedy-generate with both models and compare the logits of every step and the tokens."""
+    kwargs = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
+    expected = reference.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    actual = compiled.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    steps = min(len(expected.logits), len(actual.logits))
+    ref = torch.stack(expected.logits[:steps], 1).float()
+    ours = torch.stack(actual.logits[:steps], 1).float()
+    top2 = ref.topk(2, dim=-1).values
+    return Comparison(
+        max_logit_diff=(ours - ref).abs().max().item(),
+        min_top2_gap=(top2[..., 0] - top2[..., 1]).min().item(),
+        tokens_match=torch.equal(actual.sequences, expected.sequences),
+        new_tokens=actual.sequences.shape[1] - input_ids.shape[1],
+    )
+
+
+def reference_from_artifact(artifact_dir: str | Path):
+    """Rebuild the Transformers model (float32) from an export's own weights: no original checkpoint needed."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .artifacts import WEIGHTS_NAME
+    from .exporters.registry import get_export_config
+
+    config = AutoConfig.from_pretrained(artifact_dir)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    weights = load_file(str(Path(artifact_dir) / WEIGHTS_NAME))
+    restored = get_export_config(config.model_type).restore_weights(weights, reference.state_dict())
+    missing, unexpected = reference.load_state_dict(restored, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"Could not rebuild the reference model: missing {missing}, unexpected {unexpected}.")
+    return reference
+
+
+def verification_prompts(neuron_config, vocab_size: int, seed: int = 0):
+    """Up to 3 left-padded prompts of different lengths (as many as the compiled batch allows).
+
+    The longest takes a quarter of the cache, leaving the rest for a generation that crosses token buckets.
+    """
+    longest = min(neuron_config.context_buckets[-1], max(1, neuron_config.sequence_length // 4))
+    lengths = sorted({longest, max(1, longest // 2), max(1, longest // 4)}, reverse=True)
+    lengths = lengths[: neuron_config.batch_size]
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.zeros(len(lengths), lengths[0], dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, n in enumerate(lengths):
+        input_ids[row, lengths[0] - n:] = torch.randint(3, vocab_size, (n,), generator=generator)
+        attention_mask[row, lengths[0] - n:] = 1
+    return input_ids, attention_mask

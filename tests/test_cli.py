@@ -1,0 +1,106 @@
+"""optimum-cli export neuron / neuron verify, end to end through subprocesses."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from optimum_neuronx import NeuronModelForCausalLM
+
+OPTIMUM_CLI = str(Path(sys.executable).parent / "optimum-cli")
+DOCS = Path(__file__).parent.parent / "docs" / "cli.md"
+
+
+def run(*args, timeout=600):
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def export_args(model, output, *extra):
+    return [OPTIMUM_CLI, "export", "neuron", "--model", str(model), "--batch_size", "2", "--sequence_length", "32",
+            "--context_buckets", "16", "--token_buckets", "16,32", *extra, str(output)]
+
+
+@pytest.fixture(scope="module")
+def cli_export(tiny_checkpoint, tmp_path_factory):
+    output = tmp_path_factory.mktemp("cli") / "tiny-qwen3"
+    return output, run(*export_args(tiny_checkpoint("qwen3"), output))
+
+
+def test_export_prints_plan_and_times_then_verify_passes(cli_export):
+    output, result = cli_export
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = result.stdout + result.stderr
+    assert "Memory estimate: weights" in log
+    assert "Buckets: context [16], token generation [16, 32] (3 graphs" in log
+    assert re.search(r"compiled token_32 in \d+\.\d s", result.stdout)
+    assert f"to {output}" in result.stdout
+    model = NeuronModelForCausalLM.from_pretrained(output)
+    assert model.neuron_config.batch_size == 2 and model.neuron_config.token_buckets == (16, 32)
+
+    verify = run(OPTIMUM_CLI, "neuron", "verify", str(output))
+    assert verify.returncode == 0, verify.stdout + verify.stderr[-2000:]
+    assert "prompts: 2 of lengths [8, 4], 24 new tokens" in verify.stdout
+    assert "greedy tokens match over 24 new tokens" in verify.stdout
+
+
+def test_python_module_entry_point_and_help_matches_docs():
+    result = run(sys.executable, "-m", "optimum_neuronx.exporters", "--help")
+    assert result.returncode == 0
+    documented = DOCS.read_text()
+    for option in re.findall(r"(--\w+)", result.stdout):
+        assert option in documented, f"{option} is missing from docs/cli.md"
+    assert result.stdout.strip() in documented
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+    (["--context_buckets", "a,b"], "expected comma-separated integers"),
+], ids=["unknown_flag", "bad_buckets"])
+def test_argparse_errors(tiny_checkpoint, tmp_path, extra, message):
+    result = run(*export_args(tiny_checkpoint("qwen3"), tmp_path / "out", *extra))
+    assert result.returncode == 2 and message in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_model_flag(tmp_path):
+    result = run(OPTIMUM_CLI, "export", "neuron", str(tmp_path / "out"))
+    assert result.returncode == 2 and "the following arguments are required: --model" in result.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--auto_cast_type", "int3"], "error: Unknown auto_cast_type 'int3'"),
+    (["--num_cores", "3"], "error: tp_degree (num_cores) 3 is not supported"),
+], ids=["dtype", "num_cores"])
+def test_bad_values_exit_with_one_line_error(tiny_checkpoint, tmp_path, extra, message):
+    result = run(*export_args(tiny_checkpoint("qwen3"), tmp_path / "out", *extra))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_empty_output_needs_overwrite(cli_export, tiny_checkpoint):
+    output, _ = cli_export
+    before = {p.name: p.stat().st_mtime_ns for p in output.iterdir()}
+    result = run(*export_args(tiny_checkpoint("qwen3"), output))
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"error: output directory {output} exists and is not empty; pass --overwrite "
+                                     f"to replace its content, or choose another directory")
+    assert {p.name: p.stat().st_mtime_ns for p in output.iterdir()} == before
+
+
+def test_verify_of_a_missing_directory(tmp_path):
+    result = run(OPTIMUM_CLI, "neuron", "verify", str(tmp_path / "nothing"))
+    assert result.returncode == 1 and "is not a directory" in result.stderr
+
+
+@pytest.mark.slow
+def test_export_smollm2_through_the_cli(smollm2_checkpoint, tmp_path):
+    output = tmp_path / "smollm2"
+    result = run(OPTIMUM_CLI, "export", "neuron", "--model", str(smollm2_checkpoint), "--sequence_length", "128",
+                 "--context_buckets", "64", "--token_buckets", "128", str(output), timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    verify = run(OPTIMUM_CLI, "neuron", "verify", str(output), "--max_new_tokens", "48")
+    assert verify.returncode == 0, verify.stdout + verify.stderr[-2000:]
+    assert "greedy tokens match over 48 new tokens" in verify.stdout
