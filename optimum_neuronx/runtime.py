@@ -150,6 +150,14 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         with atomic_directory(save_directory) as staging:
             copy_artifact_files(self._artifact_dir, staging)
 
+    def push_to_hub(self, repo_id: str, *, commit_message: Optional[str] = None, private: Optional[bool] = None,
+                    token: Optional[str] = None, revision: Optional[str] = None, create_pr: bool = False, **kwargs):
+        """Upload the exported directory (weights, graphs, configs, tokenizer) plus a model card, in one commit."""
+        from .hub import push_artifact
+
+        return push_artifact(self._artifact_dir, repo_id, token=token, private=private, revision=revision,
+                             commit_message=commit_message, create_pr=create_pr)
+
     # -- generation ---------------------------------------------------------------------------------
     def generate(self, inputs=None, generation_config=None, truncate_to_sequence_length: bool = False, **kwargs):
         """Transformers' generate, after checking the request fits the compiled shapes.
@@ -280,7 +288,6 @@ def _resolve_artifact_dir(model_id: str | Path, hub_kwargs: dict) -> Path:
     text = str(model_id)
     if path.is_absolute() or text.startswith(".") or text.count("/") > 1 or isinstance(model_id, Path):
         raise ArtifactError(f"{model_id} is not a directory (and not a Hub repo id): nothing to load.")
-    from huggingface_hub import snapshot_download
+    from .hub import download_artifact
 
-    allowed = {k: hub_kwargs[k] for k in ("revision", "token", "cache_dir") if k in hub_kwargs}
-    return Path(snapshot_download(str(model_id), **allowed))
+    return download_artifact(text, **{k: hub_kwargs[k] for k in ("revision", "token", "cache_dir") if k in hub_kwargs})

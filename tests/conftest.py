@@ -108,6 +108,38 @@ def left_padded_batch():
     return input_ids, attention_mask
 
 
+FRESH_PROCESS_GENERATE = """
+import json, logging, sys
+import torch
+import torch._inductor
+def refuse(*args, **kwargs):  # loading must never compile: make any attempt fail loudly
+    raise AssertionError("compilation attempted while loading")
+torch._inductor.aot_compile = refuse
+torch.export.export = refuse
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from optimum_neuronx import NeuronModelForCausalLM
+model = NeuronModelForCausalLM.from_pretrained(sys.argv[1])
+inputs = {k: torch.tensor(v) for k, v in json.loads(sys.argv[2]).items()}
+out = model.generate(**inputs, max_new_tokens=int(sys.argv[3]), do_sample=False)
+print(json.dumps(out.tolist()))
+"""
+
+
+def generate_in_fresh_process(model_ref, inputs, max_new_tokens, env=None, check=True):
+    """Load `model_ref` (directory or Hub id) in a new Python process and greedy-generate; return tokens."""
+    import json
+    import subprocess
+    import sys
+
+    payload = json.dumps({k: v.tolist() for k, v in inputs.items()})
+    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS_GENERATE, str(model_ref), payload,
+                             str(max_new_tokens)], capture_output=True, text=True, timeout=300, env=env)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    tokens = json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else None
+    return result, tokens
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: real-model (SmolLM2) tests; run in CI too")
     logging.getLogger("optimum_neuronx").setLevel(logging.INFO)

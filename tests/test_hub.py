@@ -1,0 +1,89 @@
+"""push_to_hub / from_pretrained(repo_id) against a local Hub-compatible server (HF_ENDPOINT points to it)."""
+
+import os
+import socket
+
+import pytest
+import torch
+
+from conftest import generate_in_fresh_process
+from hub_server import HubServer
+from optimum_neuronx import NeuronModelForCausalLM
+
+PROMPT = {"input_ids": torch.tensor([[5, 17, 42, 99]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+
+
+def hub_env(endpoint, home):
+    return dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1",
+                HF_HUB_OFFLINE="0")
+
+
+PUSH = """
+import sys
+from optimum_neuronx import NeuronModelForCausalLM
+print(NeuronModelForCausalLM.from_pretrained(sys.argv[1]).push_to_hub(sys.argv[2]))
+"""
+
+
+def push(directory, repo_id, env):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", PUSH, str(directory), repo_id], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def hub():
+    with HubServer() as server:
+        yield server
+
+
+def test_push_then_pull_into_fresh_cache_gives_identical_tokens(hub, saved_tiny_llama, compiled_model, tmp_path):
+    result = push(saved_tiny_llama, "me/tiny-llama", hub_env(hub.url, tmp_path / "push-home"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    commits = [r for r in hub.state.requests if r.startswith("POST /api/models/me/tiny-llama/commit/")]
+    assert len(commits) == 1
+    files = hub.state.repos["me/tiny-llama"]["files"]
+    assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.pt2", "model.safetensors",
+                             "neuron_config.json"]
+    card = files["README.md"].decode()
+    for line in ("| batch_size | 3 |", "| sequence_length | 64 |", "| context buckets | [16] |",
+                 "| token-generation buckets | [32, 64] |", "| dtype (auto_cast_type) | fp32 |",
+                 f"| torch | {torch.__version__} |", "library_name: optimum-neuronx"):
+        assert line in card
+
+    expected = compiled_model("llama").generate(**PROMPT, max_new_tokens=30, do_sample=False).tolist()
+    result, tokens = generate_in_fresh_process("me/tiny-llama", PROMPT, 30, env=hub_env(hub.url, tmp_path / "pull"))
+    assert "(no compilation)" in result.stderr
+    assert tokens == expected
+
+
+def test_invalid_repo_id(compiled_model):
+    with pytest.raises(ValueError, match=r"Invalid Hub repo id 'not a/valid//id'"):
+        compiled_model("llama").push_to_hub("not a/valid//id")
+
+
+def _closed_port_endpoint():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_unreachable_server_names_the_endpoint(saved_tiny_llama, tmp_path):
+    endpoint = _closed_port_endpoint()
+    result = push(saved_tiny_llama, "me/anything", hub_env(endpoint, tmp_path / "push"))
+    assert result.returncode != 0 and f"Cannot reach the Hub at {endpoint}" in result.stderr
+    result, _ = generate_in_fresh_process("me/anything", PROMPT, 5, env=hub_env(endpoint, tmp_path / "pull"),
+                                          check=False)
+    assert result.returncode != 0 and f"Cannot reach the Hub at {endpoint}" in result.stderr
+    assert not list((tmp_path / "pull").rglob("*.safetensors"))
+
+
+def test_downloaded_artifact_missing_a_file_is_refused(hub, saved_tiny_llama, tmp_path):
+    result = push(saved_tiny_llama, "me/broken", hub_env(hub.url, tmp_path / "push"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    del hub.state.repos["me/broken"]["files"]["model.pt2"]
+    result, _ = generate_in_fresh_process("me/broken", PROMPT, 5, env=hub_env(hub.url, tmp_path / "pull"),
+                                          check=False)
+    assert result.returncode != 0 and "is missing model.pt2. Re-export" in result.stderr
