@@ -141,10 +141,10 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def copy_artifact_files(source: Path, destination: Path) -> None:
+def copy_artifact_files(source: Path, destination: Path, exclude: tuple[str, ...] = ()) -> None:
     """Copy (hard-link where possible) the regular files of an artifact directory."""
     for entry in sorted(Path(source).iterdir()):
-        if entry.is_file() and not entry.name.startswith("."):
+        if entry.is_file() and not entry.name.startswith(".") and entry.name not in exclude:
             dest = destination / entry.name
             try:
                 os.link(entry, dest)

@@ -143,3 +143,19 @@ def generate_in_fresh_process(model_ref, inputs, max_new_tokens, env=None, check
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: real-model (SmolLM2) tests; run in CI too")
     logging.getLogger("optimum_neuronx").setLevel(logging.INFO)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_compile_cache(tmp_path_factory):
+    """Every export in the tests uses a compile cache of its own session, never the user's."""
+    import os
+
+    from optimum_neuronx.cache import CACHE_ENV
+
+    previous = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("compile-cache"))
+    yield os.environ[CACHE_ENV]
+    if previous is None:
+        os.environ.pop(CACHE_ENV)
+    else:
+        os.environ[CACHE_ENV] = previous

@@ -14,6 +14,15 @@ from ..version import __version__
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, help="Hub model id or local Transformers checkpoint directory")
     parser.add_argument("output", type=Path, help="directory to write the exported model to")
+    add_neuron_config_arguments(parser)
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.add_argument("--revision", default=None, help="Hub revision of --model")
+    parser.add_argument("--cache_dir", type=Path, default=None,
+                        help="compile cache (default: $OPTIMUM_NEURONX_CACHE or <HF_HOME>/optimum-neuronx/compile-cache)")
+    parser.add_argument("--no_cache", action="store_true", help="compile even if the compile cache has the export")
+
+
+def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch_size", type=int, default=1, help="compiled batch size (default: 1)")
     parser.add_argument("--sequence_length", type=int, default=1024,
                         help="KV-cache length: prompt + generated tokens (default: 1024)")
@@ -28,8 +37,15 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: powers of two from 128 up to sequence_length)")
     parser.add_argument("--compiler_args", action="append", default=[], metavar="NAME=VALUE",
                         help="backend option, repeatable; inductor: a torch._inductor.config option")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    parser.add_argument("--revision", default=None, help="Hub revision of --model")
+
+
+def neuron_config_from_args(args: argparse.Namespace):
+    from ..configuration import NeuronConfig
+
+    return NeuronConfig(
+        batch_size=args.batch_size, sequence_length=args.sequence_length, tp_degree=args.num_cores,
+        auto_cast_type=args.auto_cast_type, backend=args.backend, context_buckets=args.context_buckets,
+        token_buckets=args.token_buckets, compiler_args=tuple(args.compiler_args))
 
 
 def _show_progress() -> None:
@@ -51,7 +67,7 @@ def _int_list(text: str) -> list[int]:
 
 def run_export(args: argparse.Namespace) -> int:
     from ..artifacts import ArtifactError
-    from ..configuration import NeuronConfig
+    from ..cache import CompileCache
     from ..exporters.export import export
 
     _show_progress()
@@ -59,12 +75,10 @@ def run_export(args: argparse.Namespace) -> int:
         if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
             raise FileExistsError(f"output directory {args.output} exists and is not empty; pass --overwrite "
                                   f"to replace its content, or choose another directory")
-        neuron_config = NeuronConfig(
-            batch_size=args.batch_size, sequence_length=args.sequence_length, tp_degree=args.num_cores,
-            auto_cast_type=args.auto_cast_type, backend=args.backend, context_buckets=args.context_buckets,
-            token_buckets=args.token_buckets, compiler_args=tuple(args.compiler_args))
+        neuron_config = neuron_config_from_args(args)
         hf_kwargs = {"revision": args.revision} if args.revision else {}
-        meta = export(args.model, args.output, neuron_config, hf_kwargs=hf_kwargs)
+        cache = None if args.no_cache else CompileCache(args.cache_dir)
+        meta = export(args.model, args.output, neuron_config, hf_kwargs=hf_kwargs, cache=cache)
     except (ValueError, ArtifactError, FileExistsError, OSError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -12,7 +12,8 @@ import sys
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 from optimum.commands.export.base import ExportCommand
 
-from .export import add_export_arguments, run_export
+from .cache import add_cache_dir_argument, add_lookup_arguments, run_clear, run_list, run_lookup
+from .export import _show_progress, add_export_arguments, run_export
 from .verify import add_verify_arguments, run_verify
 
 # optimum-neuron registers `optimum-cli export neuron` too: then ours is `export neuronx`, and says so.
@@ -49,10 +50,37 @@ class NeuronxVerifyCommand(BaseOptimumCLICommand):
         sys.exit(run_verify(self.args))
 
 
+def _leaf(name: str, help_text: str, add_arguments, run):
+    class Leaf(BaseOptimumCLICommand):
+        COMMAND = CommandInfo(name=name, help=help_text)
+
+        @staticmethod
+        def parse_args(parser):
+            add_arguments(parser)
+
+        def run(self):
+            _show_progress()
+            sys.exit(run(self.args))
+
+    return CommandInfo(name=name, help=help_text, subcommand_class=Leaf)
+
+
+class NeuronxCacheCommand(BaseOptimumCLICommand):
+    COMMAND = CommandInfo(name="cache", help="Inspect or empty the compile cache")
+    SUBCOMMANDS = (
+        _leaf("list", "List cached exports", add_cache_dir_argument, run_list),
+        _leaf("lookup", "Is this export cached? (loads the weights, compiles nothing)", add_lookup_arguments,
+              run_lookup),
+        _leaf("clear", "Remove every cached export", add_cache_dir_argument, run_clear),
+    )
+
+
 class NeuronxCommand(BaseOptimumCLICommand):
     COMMAND = CommandInfo(name=EXPORT_NAME, help="optimum-neuronx tools")
-    SUBCOMMANDS = (CommandInfo(name="verify", help=NeuronxVerifyCommand.COMMAND.help,
-                               subcommand_class=NeuronxVerifyCommand),)
+    SUBCOMMANDS = (
+        CommandInfo(name="verify", help=NeuronxVerifyCommand.COMMAND.help, subcommand_class=NeuronxVerifyCommand),
+        CommandInfo(name="cache", help=NeuronxCacheCommand.COMMAND.help, subcommand_class=NeuronxCacheCommand),
+    )
 
 
 REGISTER_COMMANDS = [(NeuronxExportCommand, ExportCommand), NeuronxCommand]

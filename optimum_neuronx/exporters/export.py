@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 from safetensors.torch import save_file
 
-from ..artifacts import WEIGHTS_NAME, atomic_directory, write_neuron_config
-from ..backends import GraphSpec, get_backend
+from ..artifacts import WEIGHTS_NAME, atomic_directory, copy_artifact_files, read_artifact, write_neuron_config
+from ..cache import ENTRY_META, CacheKey, CompileCache, cache_key, weights_digest
+from ..backends import Backend, GraphSpec, get_backend
 from ..configuration import NeuronConfig
 from ..kv_cache import StaticKVCache
 from ..memory import check_fits_neuron_cores, estimate_memory
 from ..modeling.decoder import DecoderSpec, StaticDecoder
+from ..version import __version__
 from .registry import get_export_config
 
 logger = logging.getLogger(__name__)
@@ -39,9 +42,33 @@ def example_inputs(spec: DecoderSpec, neuron_config: NeuronConfig, graph: GraphS
 
 
 def export(model_id: str, output_dir: str | Path, neuron_config: NeuronConfig,
-           hf_kwargs: Optional[dict] = None) -> dict:
-    """Compile `model_id` (Hub id or directory) for `neuron_config` into `output_dir`; return the stamp."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+           hf_kwargs: Optional[dict] = None, cache: Optional[CompileCache] = None) -> dict:
+    """Compile `model_id` (Hub id or directory) for `neuron_config` into `output_dir`; return the stamp.
+
+    With a `cache`, an identical earlier export is copied instead of compiled ("cache hit"), and a new
+    one is stored; concurrent exports of the same key wait for each other.
+    """
+    prepared = prepare(model_id, neuron_config, hf_kwargs)
+    if cache is None:
+        return _compile(prepared, output_dir)
+    key = prepared.cache_key()
+    with cache.lock(key):
+        entry = cache.lookup(key)
+        if entry is not None:
+            logger.info("Compile cache hit %s (%s): nothing to compile", key.digest, entry)
+            with atomic_directory(output_dir) as staging:
+                copy_artifact_files(entry, staging, exclude=(ENTRY_META,))
+            return read_artifact(output_dir)[1]
+        logger.info("Compile cache miss %s: %s", key.digest, cache.miss_reason(key))
+        meta = _compile(prepared, output_dir)
+        cache.store(key, Path(output_dir))
+        logger.info("Stored in the compile cache as %s", key.digest)
+        return meta
+
+
+def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict] = None) -> "_Prepared":
+    """Check, plan (memory, buckets) and load + convert the weights: everything before compiling."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_kwargs = dict(hf_kwargs or {})
     backend = get_backend(neuron_config.backend)
@@ -70,23 +97,52 @@ def export(model_id: str, output_dir: str | Path, neuron_config: NeuronConfig,
     generation_config = hf_model.generation_config
     del hf_model
     logger.info("Loaded and converted weights in %.1f s", time.perf_counter() - start)
+    return _Prepared(model_id, neuron_config, hf_kwargs, backend, config, spec, decoder, graphs,
+                     generation_config, start)
 
+
+@dataclass
+class _Prepared:
+    """A model loaded and converted for export, ready to compile."""
+
+    model_id: str
+    neuron_config: NeuronConfig
+    hf_kwargs: dict
+    backend: Backend
+    config: object
+    spec: DecoderSpec
+    decoder: StaticDecoder
+    graphs: list[GraphSpec]
+    generation_config: object
+    start: float
+
+    def cache_key(self) -> CacheKey:
+        versions = {"optimum_neuronx": __version__, "torch": torch.__version__,
+                    "compiler": self.backend.compiler_version()}
+        weights = {name: p for name, p in self.decoder.named_parameters()}
+        return cache_key(self.config.to_dict(), weights_digest(weights), self.neuron_config.to_dict(), versions)
+
+
+def _compile(p: _Prepared, output_dir: str | Path) -> dict:
+    from transformers import GenerationConfig
+
+    nc = p.neuron_config
     with atomic_directory(output_dir) as staging:
-        save_file(dict(decoder.state_dict()), str(staging / WEIGHTS_NAME))
-        kv_caches = StaticKVCache(spec, neuron_config.batch_size, neuron_config.sequence_length,
-                                  neuron_config.torch_dtype).kv
+        save_file(dict(p.decoder.state_dict()), str(staging / WEIGHTS_NAME))
+        kv_caches = StaticKVCache(p.spec, nc.batch_size, nc.sequence_length, nc.torch_dtype).kv
         with torch.no_grad():
-            times = backend.compile(decoder, graphs, lambda g: example_inputs(spec, neuron_config, g, kv_caches),
-                                    staging, neuron_config.compiler_args)
+            times = p.backend.compile(p.decoder, p.graphs, lambda g: example_inputs(p.spec, nc, g, kv_caches),
+                                      staging, nc.compiler_args)
         # Configs are written from files, never from a live model (its config carries runtime-only fields).
-        config.save_pretrained(staging)
+        p.config.save_pretrained(staging)
+        generation_config = p.generation_config
         if not isinstance(generation_config, GenerationConfig):
-            generation_config = GenerationConfig.from_model_config(config)
+            generation_config = GenerationConfig.from_model_config(p.config)
         generation_config.save_pretrained(staging)
-        _save_tokenizer(model_id, staging, hf_kwargs)
-        meta = write_neuron_config(staging, neuron_config, graphs, backend.compiler_version(), times,
-                                   (WEIGHTS_NAME, *backend.graph_files()))
-    logger.info("Exported %s to %s in %.1f s", model_id, output_dir, time.perf_counter() - start)
+        _save_tokenizer(p.model_id, staging, p.hf_kwargs)
+        meta = write_neuron_config(staging, nc, p.graphs, p.backend.compiler_version(), times,
+                                   (WEIGHTS_NAME, *p.backend.graph_files()))
+    logger.info("Exported %s to %s in %.1f s", p.model_id, output_dir, time.perf_counter() - p.start)
     return meta
 
 

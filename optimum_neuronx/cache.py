@@ -1,0 +1,154 @@
+"""Compile cache: finished exports stored under a key, so the same export never compiles twice.
+
+The key hashes everything that determines an artifact: the model config, the identity of the weights
+(sha256 of the converted decoder weights), the NeuronConfig (shapes, buckets, dtype, backend) and the
+package / torch / compiler versions. Entries are whole artifact directories plus `cache_entry.json`
+(the key's fields and the sha256 of every file, checked on use: a corrupted entry is evicted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from .artifacts import ArtifactError, atomic_directory, copy_artifact_files, read_artifact
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "OPTIMUM_NEURONX_CACHE"
+ENTRY_META = "cache_entry.json"
+_VOLATILE = ("transformers_version", "_name_or_path", "_commit_hash", "architectures", "dtype", "torch_dtype")
+
+
+def default_cache_dir() -> Path:
+    """$OPTIMUM_NEURONX_CACHE, else <HF_HOME>/optimum-neuronx/compile-cache."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "optimum-neuronx" / "compile-cache"
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        tensor = weights[name].contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    fields: dict  # {"model": ..., "weights": ..., "neuron_config": ..., "versions": ...}
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def cache_key(config_dict: dict, weights_sha: str, neuron_config_dict: dict, versions: dict) -> CacheKey:
+    model = {k: v for k, v in config_dict.items() if k not in _VOLATILE}
+    fields = {"model": model, "weights": weights_sha, "neuron_config": neuron_config_dict, "versions": versions}
+    # Normalised through JSON, the form entries are stored in (e.g. integer dict keys become strings).
+    return CacheKey(json.loads(json.dumps(fields, sort_keys=True, default=str)))
+
+
+def _differences(cached: dict, wanted: dict, prefix: str = "") -> list[str]:
+    out = []
+    for name in sorted(set(cached) | set(wanted)):
+        a, b = cached.get(name), wanted.get(name)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{name}.")
+        elif a != b:
+            out.append(f"{prefix}{name}: cached {a!r}, requested {b!r}")
+    return out
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class CompileCache:
+    def __init__(self, root: Optional[str | Path] = None):
+        self.root = Path(root) if root else default_cache_dir()
+
+    def entry_dir(self, key: CacheKey) -> Path:
+        return self.root / "entries" / key.digest
+
+    def lock(self, key: CacheKey):
+        """Held while one process looks up, compiles and stores `key`; a second exporter waits, then hits."""
+        from huggingface_hub.utils import WeakFileLock
+
+        (self.root / "locks").mkdir(parents=True, exist_ok=True)
+        return WeakFileLock(str(self.root / "locks" / f"{key.digest}.lock"))
+
+    def entries(self) -> Iterator[tuple[Path, dict]]:
+        base = self.root / "entries"
+        for entry in sorted(base.iterdir()) if base.is_dir() else []:
+            try:
+                yield entry, json.loads((entry / ENTRY_META).read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+
+    def lookup(self, key: CacheKey) -> Optional[Path]:
+        """The entry for `key` if present and intact; a damaged entry is evicted (with a warning)."""
+        entry = self.entry_dir(key)
+        if not entry.is_dir():
+            return None
+        problem = self._check(entry)
+        if problem:
+            logger.warning("Compile cache entry %s is corrupted (%s): evicted, recompiling.", key.digest, problem)
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
+        return entry
+
+    def _check(self, entry: Path) -> Optional[str]:
+        try:
+            meta = json.loads((entry / ENTRY_META).read_text())
+            read_artifact(entry)
+        except (OSError, json.JSONDecodeError, ArtifactError) as err:
+            return str(err)
+        for name, sha in meta["sha256"].items():
+            if not (entry / name).is_file() or _sha256(entry / name) != sha:
+                return f"{name} does not match its sha256"
+        return None
+
+    def miss_reason(self, key: CacheKey) -> str:
+        """Which fields differ from the nearest cached entry."""
+        nearest = None
+        for _, meta in self.entries():
+            diff = _differences(meta["fields"], key.fields)
+            if nearest is None or len(diff) < len(nearest):
+                nearest = diff
+        if nearest is None:
+            return "the cache is empty"
+        shown = "; ".join(nearest[:3]) + (f"; +{len(nearest) - 3} more" if len(nearest) > 3 else "")
+        return f"nearest entry differs in {shown}"
+
+    def store(self, key: CacheKey, artifact_dir: Path) -> Path:
+        entry = self.entry_dir(key)
+        with atomic_directory(entry) as staging:
+            copy_artifact_files(artifact_dir, staging)
+            sha = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+            meta = {"fields": key.fields, "digest": key.digest, "created": time.time(), "sha256": sha}
+            (staging / ENTRY_META).write_text(json.dumps(meta, indent=1, default=str))
+        return entry
+
+    def clear(self) -> int:
+        count = sum(1 for _ in self.entries())
+        shutil.rmtree(self.root / "entries", ignore_errors=True)
+        return count

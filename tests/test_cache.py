@@ -1,0 +1,111 @@
+"""Compile cache: hit, miss with its reason, corruption, concurrent exports, and the CLI."""
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
+from optimum_neuronx.cache import CompileCache
+from optimum_neuronx.exporters import export as export_module
+
+SMALL = dict(batch_size=1, sequence_length=32, context_buckets=[16], token_buckets=[32])
+OPTIMUM_CLI = str(Path(sys.executable).parent / "optimum-cli")
+PROMPT = torch.tensor([[7, 8, 9, 10]])
+
+
+def _export(checkpoint, cache_dir, **overrides):
+    return NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, compile_cache_dir=cache_dir,
+                                                  **{**SMALL, **overrides})
+
+
+@pytest.fixture(scope="module")
+def filled_cache(tiny_checkpoint, tmp_path_factory):
+    cache_dir = tmp_path_factory.mktemp("cache")
+    model = _export(tiny_checkpoint("qwen2"), cache_dir)
+    return cache_dir, model.generate(PROMPT, max_new_tokens=20, do_sample=False)
+
+
+def test_second_export_is_a_cache_hit_and_compiles_nothing(filled_cache, tiny_checkpoint, monkeypatch, caplog):
+    cache_dir, tokens = filled_cache
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled despite a cache hit")
+
+    monkeypatch.setattr(export_module.get_backend("inductor"), "compile", refuse)
+    with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
+        model = _export(tiny_checkpoint("qwen2"), cache_dir)
+    assert "Compile cache hit" in caplog.text and "nothing to compile" in caplog.text
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False), tokens)
+
+
+def test_miss_says_which_field_differs(filled_cache, tiny_checkpoint):
+    cache_dir, _ = filled_cache
+    prepared = export_module.prepare(str(tiny_checkpoint("qwen2")), NeuronConfig(**{**SMALL, "sequence_length": 48,
+                                                                                     "token_buckets": [48]}))
+    cache = CompileCache(cache_dir)
+    key = prepared.cache_key()
+    assert cache.lookup(key) is None
+    reason = cache.miss_reason(key)
+    assert "neuron_config.sequence_length: cached 32, requested 48" in reason
+    assert "neuron_config.token_buckets: cached [32], requested [48]" in reason
+    assert CompileCache(cache_dir.parent / "empty").miss_reason(key) == "the cache is empty"
+
+
+def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, tmp_path, caplog):
+    model = _export(tiny_checkpoint("qwen2"), tmp_path, auto_cast_type="bf16")
+    (entry, _), = CompileCache(tmp_path).entries()
+    graph = entry / "model.pt2"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different content: only the hash can tell
+    graph.unlink()  # break the hard link the first export's directory shares
+    graph.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
+        again = _export(tiny_checkpoint("qwen2"), tmp_path, auto_cast_type="bf16")
+    assert "is corrupted (model.pt2 does not match its sha256): evicted, recompiling" in caplog.text
+    assert "Compile cache miss" in caplog.text and "Stored in the compile cache" in caplog.text
+    expected = model.generate(PROMPT, max_new_tokens=10, do_sample=False)
+    assert torch.equal(again.generate(PROMPT, max_new_tokens=10, do_sample=False), expected)
+
+
+EXPORT_SCRIPT = """
+import logging, sys
+from optimum_neuronx import NeuronModelForCausalLM
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+m = NeuronModelForCausalLM.from_pretrained(sys.argv[1], export=True, compile_cache_dir=sys.argv[2], batch_size=1,
+                                           sequence_length=32, context_buckets=[16], token_buckets=[32])
+m.save_pretrained(sys.argv[3])
+"""
+
+
+def test_concurrent_exports_of_one_key_compile_once(tiny_checkpoint, tmp_path):
+    cache_dir = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-c", EXPORT_SCRIPT, str(tiny_checkpoint("mistral")), str(cache_dir),
+                               str(tmp_path / f"out{i}")], stderr=subprocess.PIPE, text=True) for i in range(2)]
+    logs = [p.communicate(timeout=600)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    assert sum("Compile cache miss" in log for log in logs) == 1
+    assert sum("Compile cache hit" in log for log in logs) == 1
+    assert len(list(CompileCache(cache_dir).entries())) == 1
+    a, b = (NeuronModelForCausalLM.from_pretrained(tmp_path / f"out{i}") for i in range(2))
+    assert torch.equal(a.generate(PROMPT, max_new_tokens=10, do_sample=False),
+                       b.generate(PROMPT, max_new_tokens=10, do_sample=False))
+
+
+def test_cache_cli_list_lookup_clear(filled_cache, tiny_checkpoint):
+    cache_dir, _ = filled_cache
+    run = lambda *args: subprocess.run([OPTIMUM_CLI, "neuron", "cache", *args, "--cache_dir", str(cache_dir)],  # noqa
+                                       capture_output=True, text=True, timeout=300)
+    listed = run("list")
+    assert listed.returncode == 0 and "qwen2  batch_size=1 sequence_length=32 fp32 inductor" in listed.stdout
+    options = ["--model", str(tiny_checkpoint("qwen2")), "--sequence_length", "32", "--context_buckets", "16",
+               "--token_buckets", "32"]
+    hit = run("lookup", *options)
+    assert hit.returncode == 0 and hit.stdout.startswith("cache hit ")
+    miss = run("lookup", *options[:-1], "16,32")
+    assert miss.returncode == 1 and "token_buckets: cached [32], requested [16, 32]" in miss.stdout
+    assert run("clear").stdout.startswith("removed ")
+    assert "0 entries" in run("list").stdout
