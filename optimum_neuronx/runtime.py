@@ -107,12 +107,11 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             if neuron_config is not None and neuron_kwargs:
                 raise ValueError(f"Pass either neuron_config or {sorted(neuron_kwargs)}, not both.")
             neuron_config = neuron_config or NeuronConfig(**neuron_kwargs)
+            from .cache import CompileCache
             from .exporters.export import export as run_export
 
             tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
             out_dir = Path(tmpdir.name) / "model"
-            from .cache import CompileCache
-
             cache = CompileCache(compile_cache_dir) if compile_cache else None
             run_export(str(model_id), out_dir, neuron_config, hf_kwargs=kwargs, cache=cache)
             return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True)
