@@ -25,6 +25,7 @@ from .artifacts import ArtifactError, atomic_directory, copy_artifact_files, rea
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "OPTIMUM_NEURONX_CACHE"
+CACHE_REPO_ENV = "OPTIMUM_NEURONX_CACHE_REPO"  # optional Hub model repo shared as a remote cache
 ENTRY_META = "cache_entry.json"
 _VOLATILE = ("transformers_version", "_name_or_path", "_commit_hash", "architectures", "dtype", "torch_dtype")
 
@@ -83,8 +84,14 @@ def _sha256(path: Path) -> str:
 
 
 class CompileCache:
-    def __init__(self, root: Optional[str | Path] = None):
+    """Local entries under `root`; with `hub_repo` (or $OPTIMUM_NEURONX_CACHE_REPO), a Hub model repo whose
+    folders `<key>/` are entries too: fetched on a local miss, pushed after a new export."""
+
+    def __init__(self, root: Optional[str | Path] = None, hub_repo: Optional[str] = None,
+                 token: Optional[str] = None):
         self.root = Path(root) if root else default_cache_dir()
+        self.hub_repo = hub_repo or os.environ.get(CACHE_REPO_ENV) or None
+        self.token = token
 
     def entry_dir(self, key: CacheKey) -> Path:
         return self.root / "entries" / key.digest
@@ -147,6 +154,49 @@ class CompileCache:
             meta = {"fields": key.fields, "digest": key.digest, "created": time.time(), "sha256": sha}
             (staging / ENTRY_META).write_text(json.dumps(meta, indent=1, default=str))
         return entry
+
+    def fetch(self, key: CacheKey) -> Optional[Path]:
+        """Copy entry `key` from the Hub cache repo into the local cache; None if it is not there."""
+        if not self.hub_repo:
+            return None
+        import tempfile
+
+        from huggingface_hub import snapshot_download
+
+        with tempfile.TemporaryDirectory(dir=self._mkdir()) as tmp:
+            try:
+                snapshot_download(self.hub_repo, allow_patterns=[f"{key.digest}/*"], local_dir=tmp, token=self.token)
+            except Exception as err:  # a remote cache must never break an export: compile instead
+                logger.warning("Could not fetch %s from the Hub cache repo %s (%s): compiling.", key.digest,
+                               self.hub_repo, err)
+                return None
+            fetched = Path(tmp) / key.digest
+            if not (fetched / ENTRY_META).is_file():
+                return None
+            with atomic_directory(self.entry_dir(key)) as staging:
+                copy_artifact_files(fetched, staging)
+        logger.info("Fetched compile cache entry %s from the Hub repo %s", key.digest, self.hub_repo)
+        return self.lookup(key)  # checks every file's sha256; a damaged download is evicted
+
+    def push(self, key: CacheKey) -> None:
+        """Upload local entry `key` to the Hub cache repo (one commit), if one is configured."""
+        if not self.hub_repo:
+            return
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=self.token)
+        try:
+            api.create_repo(self.hub_repo, exist_ok=True)
+            api.upload_folder(repo_id=self.hub_repo, folder_path=str(self.entry_dir(key)), path_in_repo=key.digest,
+                              commit_message=f"Add compile cache entry {key.digest}")
+        except Exception as err:  # the export itself succeeded; sharing it is best effort
+            logger.warning("Could not push %s to the Hub cache repo %s: %s", key.digest, self.hub_repo, err)
+            return
+        logger.info("Pushed compile cache entry %s to the Hub repo %s", key.digest, self.hub_repo)
+
+    def _mkdir(self) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self.root
 
     def clear(self) -> int:
         count = sum(1 for _ in self.entries())

@@ -93,13 +93,15 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, model_id: str | Path, *, export: bool = False,
                         neuron_config: Optional[NeuronConfig] = None, compile_cache: bool = True,
-                        compile_cache_dir: Optional[str | Path] = None, **kwargs) -> "NeuronModelForCausalLM":
+                        compile_cache_dir: Optional[str | Path] = None, compile_cache_repo: Optional[str] = None,
+                        **kwargs) -> "NeuronModelForCausalLM":
         """Load an exported directory (or Hub repo), or with `export=True` compile a Transformers checkpoint.
 
         Export keywords: batch_size, sequence_length, num_cores (tp_degree), auto_cast_type, context_buckets,
         token_buckets, backend, compiler_args — or a ready `neuron_config`. Exports go through the compile
-        cache (`compile_cache_dir`, default $OPTIMUM_NEURONX_CACHE or inside HF_HOME) unless
-        `compile_cache=False`. Other keywords go to Transformers' loaders (revision, token, ...).
+        cache (`compile_cache_dir`, default $OPTIMUM_NEURONX_CACHE or inside HF_HOME; `compile_cache_repo`, default
+        $OPTIMUM_NEURONX_CACHE_REPO, a Hub repo shared as a remote cache) unless `compile_cache=False`. Other
+        keywords go to Transformers' loaders (revision, token, ...).
         """
         neuron_kwargs = {_NEURON_KWARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in _NEURON_KWARGS}
         neuron_kwargs = {k: v for k, v in neuron_kwargs.items() if v is not None}
@@ -112,7 +114,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
 
             tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
             out_dir = Path(tmpdir.name) / "model"
-            cache = CompileCache(compile_cache_dir) if compile_cache else None
+            cache = CompileCache(compile_cache_dir, compile_cache_repo, kwargs.get("token")) if compile_cache else None
             run_export(str(model_id), out_dir, neuron_config, hf_kwargs=kwargs, cache=cache)
             return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True)
         artifact_dir = _resolve_artifact_dir(model_id, kwargs)

@@ -87,3 +87,40 @@ def test_downloaded_artifact_missing_a_file_is_refused(hub, saved_tiny_llama, tm
     result, _ = generate_in_fresh_process("me/broken", PROMPT, 5, env=hub_env(hub.url, tmp_path / "pull"),
                                           check=False)
     assert result.returncode != 0 and "is missing model.pt2. Re-export" in result.stderr
+
+
+CACHED_EXPORT = """
+import logging, sys
+import torch._inductor
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+if sys.argv[4] == "refuse-compile":
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled despite the Hub cache")
+    torch._inductor.aot_compile = refuse
+from optimum_neuronx import NeuronModelForCausalLM
+m = NeuronModelForCausalLM.from_pretrained(sys.argv[1], export=True, compile_cache_dir=sys.argv[2],
+                                           compile_cache_repo=sys.argv[3], batch_size=1, sequence_length=32,
+                                           context_buckets=[16], token_buckets=[32])
+print(m.generate(__import__("torch").tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False).tolist())
+"""
+
+
+def test_hub_backed_compile_cache_shares_entries(hub, tiny_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    def cached_export(cache_dir, mode):
+        return subprocess.run([sys.executable, "-c", CACHED_EXPORT, str(tiny_checkpoint("qwen3")), str(cache_dir),
+                               "me/compile-cache", mode], capture_output=True, text=True, timeout=600,
+                              env=hub_env(hub.url, tmp_path / f"home-{mode}"))
+
+    first = cached_export(tmp_path / "machine-a", "compile")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "Compile cache miss" in first.stderr and "Pushed compile cache entry" in first.stderr
+    pushed = hub.state.repos["me/compile-cache"]["files"]
+    assert any(name.endswith("/model.pt2") for name in pushed) and any(n.endswith("/cache_entry.json") for n in pushed)
+
+    second = cached_export(tmp_path / "machine-b", "refuse-compile")  # empty local cache, same Hub repo
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Fetched compile cache entry" in second.stderr and "Compile cache hit" in second.stderr
+    assert second.stdout == first.stdout

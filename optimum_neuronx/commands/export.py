@@ -19,6 +19,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="Hub revision of --model")
     parser.add_argument("--cache_dir", type=Path, default=None,
                         help="compile cache (default: $OPTIMUM_NEURONX_CACHE or <HF_HOME>/optimum-neuronx/compile-cache)")
+    parser.add_argument("--cache_repo", default=None,
+                        help="Hub model repo used as a shared compile cache (default: $OPTIMUM_NEURONX_CACHE_REPO)")
     parser.add_argument("--no_cache", action="store_true", help="compile even if the compile cache has the export")
 
 
@@ -77,7 +79,7 @@ def run_export(args: argparse.Namespace) -> int:
                                   f"to replace its content, or choose another directory")
         neuron_config = neuron_config_from_args(args)
         hf_kwargs = {"revision": args.revision} if args.revision else {}
-        cache = None if args.no_cache else CompileCache(args.cache_dir)
+        cache = None if args.no_cache else CompileCache(args.cache_dir, args.cache_repo)
         meta = export(args.model, args.output, neuron_config, hf_kwargs=hf_kwargs, cache=cache)
     except (ValueError, ArtifactError, FileExistsError, OSError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -53,7 +53,7 @@ def export(model_id: str, output_dir: str | Path, neuron_config: NeuronConfig,
         return _compile(prepared, output_dir)
     key = prepared.cache_key()
     with cache.lock(key):
-        entry = cache.lookup(key)
+        entry = cache.lookup(key) or cache.fetch(key)
         if entry is not None:
             logger.info("Compile cache hit %s (%s): nothing to compile", key.digest, entry)
             with atomic_directory(output_dir) as staging:
@@ -63,6 +63,7 @@ def export(model_id: str, output_dir: str | Path, neuron_config: NeuronConfig,
         meta = _compile(prepared, output_dir)
         cache.store(key, Path(output_dir))
         logger.info("Stored in the compile cache as %s", key.digest)
+        cache.push(key)
         return meta
 
 
