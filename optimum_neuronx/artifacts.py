@@ -26,7 +26,7 @@ from .version import ARTIFACT_FORMAT_VERSION, __version__
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 # Fields of config.json that change with who saved it, not with what was compiled.
-_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
+VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
 
 
 class ArtifactError(ValueError):
@@ -35,7 +35,7 @@ class ArtifactError(ValueError):
 
 def config_hash(config_dict: dict, neuron_config: NeuronConfig) -> str:
     """Hash of everything that determines the compiled graphs: model config, NeuronConfig, backend."""
-    model = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG_KEYS}
+    model = {k: v for k, v in config_dict.items() if k not in VOLATILE_CONFIG_KEYS}
     payload = json.dumps({"model": model, "neuron": neuron_config.to_dict()}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 

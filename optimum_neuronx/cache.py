@@ -20,14 +20,15 @@ from typing import Iterator, Optional
 
 import torch
 
-from .artifacts import ArtifactError, atomic_directory, copy_artifact_files, read_artifact
+from .artifacts import VOLATILE_CONFIG_KEYS, ArtifactError, atomic_directory, copy_artifact_files, read_artifact
 
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "OPTIMUM_NEURONX_CACHE"
 CACHE_REPO_ENV = "OPTIMUM_NEURONX_CACHE_REPO"  # optional Hub model repo shared as a remote cache
 ENTRY_META = "cache_entry.json"
-_VOLATILE = ("transformers_version", "_name_or_path", "_commit_hash", "architectures", "dtype", "torch_dtype")
+# A live config (the key is computed before config.json is written) also carries load-time fields.
+_VOLATILE = (*VOLATILE_CONFIG_KEYS, "architectures", "dtype", "torch_dtype")
 
 
 def default_cache_dir() -> Path:

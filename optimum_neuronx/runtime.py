@@ -30,7 +30,7 @@ from .kv_cache import CacheHandle, StaticKVCache
 logger = logging.getLogger(__name__)
 
 # from_pretrained keyword -> NeuronConfig field.
-_NEURON_KWARGS = {
+NEURON_KWARGS = {
     "batch_size": "batch_size",
     "sequence_length": "sequence_length",
     "num_cores": "tp_degree",
@@ -103,7 +103,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         $OPTIMUM_NEURONX_CACHE_REPO, a Hub repo shared as a remote cache) unless `compile_cache=False`. Other
         keywords go to Transformers' loaders (revision, token, ...).
         """
-        neuron_kwargs = {_NEURON_KWARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in _NEURON_KWARGS}
+        neuron_kwargs = {NEURON_KWARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in NEURON_KWARGS}
         neuron_kwargs = {k: v for k, v in neuron_kwargs.items() if v is not None}
         if export:
             if neuron_config is not None and neuron_kwargs:

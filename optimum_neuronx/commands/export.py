@@ -50,7 +50,7 @@ def neuron_config_from_args(args: argparse.Namespace):
         token_buckets=args.token_buckets, compiler_args=tuple(args.compiler_args))
 
 
-def _show_progress() -> None:
+def show_progress() -> None:
     """Print the package's INFO messages (memory estimate, buckets, compile times), whoever started the CLI."""
     logger = logging.getLogger("optimum_neuronx")
     if not logger.handlers:
@@ -72,7 +72,7 @@ def run_export(args: argparse.Namespace) -> int:
     from ..cache import CompileCache
     from ..exporters.export import export
 
-    _show_progress()
+    show_progress()
     try:
         if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
             raise FileExistsError(f"output directory {args.output} exists and is not empty; pass --overwrite "

@@ -13,7 +13,7 @@ from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 from optimum.commands.export.base import ExportCommand
 
 from .cache import add_cache_dir_argument, add_lookup_arguments, run_clear, run_list, run_lookup
-from .export import _show_progress, add_export_arguments, run_export
+from .export import add_export_arguments, run_export, show_progress
 from .verify import add_verify_arguments, run_verify
 
 # optimum-neuron registers `optimum-cli export neuron` too: then ours is `export neuronx`, and says so.
@@ -59,7 +59,7 @@ def _leaf(name: str, help_text: str, add_arguments, run):
             add_arguments(parser)
 
         def run(self):
-            _show_progress()
+            show_progress()
             sys.exit(run(self.args))
 
     return CommandInfo(name=name, help=help_text, subcommand_class=Leaf)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from ..runtime import _NEURON_KWARGS, NeuronModelForCausalLM
+from ..runtime import NEURON_KWARGS, NeuronModelForCausalLM
 
 SUPPORTED_TASKS = ("text-generation",)
 
@@ -24,7 +24,7 @@ def pipeline(task: str = "text-generation", model: Any = None, tokenizer: Any = 
         raise ValueError(f"Task {task!r} is not supported; supported tasks: {', '.join(SUPPORTED_TASKS)}.")
     if model is None:
         raise ValueError("pipeline() needs a model: an exported directory, a Hub id, or a NeuronModelForCausalLM.")
-    export_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _NEURON_KWARGS}
+    export_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in NEURON_KWARGS}
     if not isinstance(model, NeuronModelForCausalLM):
         if not isinstance(model, (str, Path)):
             raise TypeError(f"model must be a path, a Hub id or a NeuronModelForCausalLM, got {type(model).__name__}.")
