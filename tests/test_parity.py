@@ -106,3 +106,23 @@ def test_reexport_with_other_sequence_length_does_not_reuse_stale_kernels(compil
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=45, min_new_tokens=45, do_sample=False)
     expected = reference_model("llama").generate(input_ids=input_ids, **kwargs)
     assert torch.equal(longer.generate(input_ids=input_ids, **kwargs), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_projection_as_reduction_matches_linear(rows):
+    # The decode graphs write few-row float32 projections as multiply + sum: it must equal F.linear on both
+    # sides of the row limit, eager and compiled.
+    from optimum_neuronx.backends import get_backend
+    from optimum_neuronx.modeling.decoder import project
+
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1, 48, generator=generator)
+    weight, bias = torch.randn(80, 48, generator=generator), torch.randn(80, generator=generator)
+    matvec_rows = get_backend("inductor").matvec_rows(torch.float32)
+    assert matvec_rows == 4 and get_backend("inductor").matvec_rows(torch.bfloat16) == 0
+    out = project(x, weight, bias, matvec_rows)
+    assert out.shape == (rows, 1, 80)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        compiled = torch.compile(project, fullgraph=True)(x, weight, bias, matvec_rows)
+    torch.testing.assert_close(compiled, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)

@@ -32,6 +32,10 @@ class Backend(ABC):
     # True when graphs run on NeuronCores, whose per-core memory bounds the model (see memory.py).
     targets_neuron_cores: bool = False
 
+    def matvec_rows(self, dtype: torch.dtype) -> int:
+        """Largest row count whose projections the decoder writes as a reduction (see modeling/decoder.py)."""
+        return 0
+
     @abstractmethod
     def check_toolchain(self) -> None:
         """Raise a clear error, before any work, when the compiler cannot run here."""

@@ -14,6 +14,10 @@ per-layer caches `kv_caches[layer][2 (k/v), B, kv_heads, S, head_dim]`, then att
 identical, so the compiler emits them once: compile time no longer grows with the layer count.
 Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal). Only the hidden
 state at `last_index` goes through the final norm and the LM head.
+
+Projections over a handful of rows (decode) can be written as multiply + sum instead of a matmul
+(`matvec_rows`, chosen by the backend): Inductor fuses that into one streaming reduction over the weight,
+which on CPUs reads float32 weights faster than the BLAS GEMV does (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -56,6 +60,32 @@ class DecoderSpec:
         return (2, batch_size, self.num_kv_heads, sequence_length, self.head_dim)
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, matvec_rows: int) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; as a fused multiply + sum when x has at most `matvec_rows` rows.
+
+    The [out, rows] product order makes the generated kernel walk each weight row once for all rows.
+    """
+    rows = x.numel() // x.shape[-1]
+    if rows > matvec_rows:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    out = (weight[:, None, :] * flat[None, :, :]).sum(-1).t()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Projection(nn.Linear):
+    """nn.Linear (same parameter names) whose few-row matmuls may go through `project`'s reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, matvec_rows: int):
+        super().__init__(in_features, out_features, bias=bias)
+        self.matvec_rows = matvec_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(x, self.weight, self.bias, self.matvec_rows)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -75,19 +105,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, matvec_rows: int = 0):
         super().__init__()
         self.spec = spec
         s = spec
         self.input_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.qkv_proj = nn.Linear(s.hidden_size, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, bias=s.qkv_bias)
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
+        self.qkv_proj = Projection(s.hidden_size, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.qkv_bias,
+                                   matvec_rows)
+        self.o_proj = Projection(s.num_heads * s.head_dim, s.hidden_size, s.o_bias, matvec_rows)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
         self.post_attention_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.gate_up_proj = Projection(s.hidden_size, 2 * s.intermediate_size, s.mlp_bias, matvec_rows)
+        self.down_proj = Projection(s.intermediate_size, s.hidden_size, s.mlp_bias, matvec_rows)
         self.act = _ACTIVATIONS[s.hidden_act]
 
     def forward(self, h, cos, sin, mask, slots, kv_cache):
@@ -133,11 +164,12 @@ class DecoderLayer(nn.Module):
 
 
 class StaticDecoder(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, matvec_rows: int = 0):
         super().__init__()
         self.spec = spec
+        self.matvec_rows = matvec_rows
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, matvec_rows) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -171,4 +203,4 @@ class StaticDecoder(nn.Module):
         h = h[torch.arange(B, device=h.device), last_index]  # [B, hidden]
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return project(h, weight, None, self.matvec_rows).float()
