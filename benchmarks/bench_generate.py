@@ -1,11 +1,18 @@
-"""Generation benchmark: Transformers eager vs optimum-neuronx compiled graphs, side by side in one run.
+"""Generation benchmark: Transformers eager, Transformers static cache + torch.compile, and optimum-neuronx
+compiled graphs, side by side in one run on the same prompts, with the machine's memory-bandwidth bound.
 
-    python benchmarks/bench_generate.py --quick
+    python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt: under 5 min on 2 cores
+    python benchmarks/bench_generate.py             # + bf16, batch 4, 512-token prompts, TinyLlama-1.1B shape
 
-Per system and batch size: time to first token (generate with max_new_tokens=1), decode tokens/s
-((N - 1) new tokens over the time a generation of N takes beyond the first token), median of --repeats
-runs after one warm-up; for the compiled model also compile time per graph and reload time. Writes
-JSON and a Markdown table to --output-dir and prints the table.
+Each (model, dtype, system) runs in its own subprocess, so peak RSS is per system. Per batch size: time to
+first token (generate with max_new_tokens=1) for each --prompt-tokens length (random token prompts), decode
+tokens/s on the shortest prompt ((N - 1) new tokens per row over the time a generation of N takes beyond
+the first token, all rows counted), median of
+--repeats runs after a warm-up; compile time per graph and reload time for the compiled model, whose
+greedy tokens are checked against eager before timing. Roofline: a matrix-vector product over a
+weight-sized matrix per dtype (and a plain copy) gives the bandwidth decode can use; bound = bandwidth /
+bytes read per decode step (weights + KV cache in use). Writes results.json, results.md and results.png
+to --output-dir.
 """
 
 from __future__ import annotations
@@ -13,120 +20,279 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from optimum_neuronx import NeuronModelForCausalLM
-from optimum_neuronx.configuration import TORCH_DTYPES
-from optimum_neuronx.utils.smollm2 import convert_smollm2
-
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+SYSTEMS = ("transformers eager", "transformers static+compile", "optimum-neuronx (inductor)")
+TINYLLAMA_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
 
 
-def _timed_generate(model, inputs, new_tokens: int) -> float:
+# -- models -----------------------------------------------------------------------------------------------
+def model_checkpoint(name: str, work: Path) -> Path:
+    if name == "smollm2":
+        from optimum_neuronx.utils.smollm2 import convert_smollm2
+
+        return convert_smollm2(work / "smollm2")
+    directory = work / "tinyllama-1.1b-shape"
+    if not (directory / "config.json").exists():
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(LlamaConfig(**TINYLLAMA_SHAPE)).save_pretrained(directory)
+    return directory
+
+
+def prompt_inputs(checkpoint: Path, batch_size: int, prompt_tokens: int, vocab_size: int):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab_size, (batch_size, prompt_tokens), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+# -- one system, in its own process ----------------------------------------------------------------------
+def _timed(model, inputs, new_tokens: int, **extra) -> float:
     start = time.perf_counter()
-    model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **extra)
     return time.perf_counter() - start
 
 
-def measure(model, inputs, new_tokens: int, repeats: int) -> dict:
-    _timed_generate(model, inputs, new_tokens)  # warm-up
-    first, full = [], []
-    for _ in range(repeats):
-        first.append(_timed_generate(model, inputs, 1))
-        full.append(_timed_generate(model, inputs, new_tokens))
-    ttft, total = statistics.median(first), statistics.median(full)
-    rows = inputs["input_ids"].shape[0]
-    return {"ttft_s": ttft, "decode_tok_s": rows * (new_tokens - 1) / (total - ttft), "total_s": total}
+def measure(model, inputs: dict, new_tokens: int, repeats: int, **extra) -> dict:
+    """`inputs`: prompt length -> inputs; decode is timed on the shortest prompt, TTFT on each."""
+    shortest = inputs[min(inputs)]
+    _timed(model, shortest, new_tokens, **extra)  # warm-up (and, for torch.compile, compilation)
+    ttft = {}
+    for length, prompt in inputs.items():
+        _timed(model, prompt, 1, **extra)
+        ttft[length] = statistics.median(_timed(model, prompt, 1, **extra) for _ in range(repeats))
+    total = statistics.median(_timed(model, shortest, new_tokens, **extra) for _ in range(repeats))
+    rows = shortest["input_ids"].shape[0]
+    return {"ttft_s": ttft, "decode_tok_s": rows * (new_tokens - 1) / (total - ttft[min(inputs)])}
 
 
-def prompt_inputs(tokenizer, batch_size: int):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer([text] * batch_size, return_tensors="pt", padding=True)
+def run_system(job: dict) -> dict:
+    from transformers import AutoModelForCausalLM
 
+    from optimum_neuronx import NeuronModelForCausalLM
+    from optimum_neuronx.configuration import TORCH_DTYPES
 
-def bench_smollm2(args, work: Path) -> list[dict]:
-    checkpoint = convert_smollm2(work / "smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
-    results = []
-    for dtype in args.dtypes:
-        eager = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).eval()
-        export_dir = work / f"smollm2-{dtype}"
-        compiled = NeuronModelForCausalLM.from_pretrained(
-            checkpoint, export=True, batch_size=max(args.batch_sizes), sequence_length=args.sequence_length,
-            context_buckets=[64], token_buckets=[args.sequence_length], auto_cast_type=dtype)
-        compiled.save_pretrained(export_dir)
-        del compiled
+    torch.set_num_threads(job["threads"])
+    checkpoint, dtype, system = Path(job["checkpoint"]), job["dtype"], job["system"]
+    prompts = sorted(job["prompt_tokens"])
+    decode_length = prompts[0] + job["new_tokens"]
+    sequence_length = max(decode_length, prompts[-1] + 1)
+    out: dict = {"batches": {}}
+    extra = {}
+    if system == "optimum-neuronx (inductor)":
+        export_dir = Path(job["work"]) / f"{checkpoint.name}-{dtype}-b{max(job['batch_sizes'])}-s{sequence_length}"
+        if not (export_dir / "neuron_config.json").exists():
+            NeuronModelForCausalLM.from_pretrained(
+                checkpoint, export=True, compile_cache=False, batch_size=max(job["batch_sizes"]),
+                sequence_length=sequence_length, context_buckets=prompts,
+                token_buckets=sorted({decode_length, sequence_length}), auto_cast_type=dtype,
+            ).save_pretrained(export_dir)
         start = time.perf_counter()
-        compiled = NeuronModelForCausalLM.from_pretrained(export_dir)
-        reload_s = time.perf_counter() - start
-        compile_s = json.loads((export_dir / "neuron_config.json").read_text())["compile_time_s"]
-        for batch_size in args.batch_sizes:
-            inputs = prompt_inputs(tokenizer, batch_size)
-            greedy = dict(max_new_tokens=args.new_tokens, do_sample=False)
-            # A fast wrong model is worthless: record whether greedy tokens equal eager's (exact in fp32).
-            tokens_match = torch.equal(compiled.generate(**inputs, **greedy), eager.generate(**inputs, **greedy))
-            systems = {"transformers eager": eager, "optimum-neuronx (inductor)": compiled}
-            for name, model in tqdm(systems.items(), desc=f"smollm2 {dtype} batch {batch_size}"):
-                row = {"model": "SmolLM2-135M-Instruct", "dtype": dtype, "batch_size": batch_size, "system": name,
-                       "prompt_tokens": inputs["input_ids"].shape[1], "new_tokens": args.new_tokens}
-                row.update(measure(model, inputs, args.new_tokens, args.repeats))
-                if model is compiled:
-                    row.update(compile_s_per_graph=compile_s, reload_s=reload_s, greedy_tokens_match=tokens_match)
-                results.append(row)
-    return results
+        model = NeuronModelForCausalLM.from_pretrained(export_dir)
+        out["reload_s"] = time.perf_counter() - start
+        out["compile_s_per_graph"] = json.loads((export_dir / "neuron_config.json").read_text())["compile_time_s"]
+        reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).eval()
+        inputs = prompt_inputs(checkpoint, 1, prompts[0], model.config.vocab_size)
+        greedy = dict(max_new_tokens=16, do_sample=False)
+        # A fast wrong model is worthless: greedy tokens must equal eager's (exact in fp32; bf16 may diverge).
+        out["greedy_tokens_match"] = torch.equal(model.generate(**inputs, **greedy),
+                                                 reference.generate(**inputs, **greedy))
+        del reference
+    else:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).eval()
+        if system == "transformers static+compile":
+            # Transformers' own auto-compile in generate is GPU-only: compile the forward explicitly.
+            model.forward = torch.compile(model.forward)
+            extra = {"cache_implementation": "static"}
+    for batch_size in job["batch_sizes"]:
+        inputs = {n: prompt_inputs(checkpoint, batch_size, n, model.config.vocab_size) for n in prompts}
+        try:
+            out["batches"][batch_size] = measure(model, inputs, job["new_tokens"], job["repeats"], **extra)
+        except Exception as err:  # record, don't hide, a baseline that does not work here
+            out["batches"][batch_size] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return out
 
 
-def markdown(results: list[dict]) -> str:
-    lines = ["| model | dtype | batch | system | TTFT (ms) | decode tok/s | vs eager | greedy = eager |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row in results:
-        base = next(r for r in results if r["system"] == "transformers eager" and r["dtype"] == row["dtype"]
-                    and r["batch_size"] == row["batch_size"] and r["model"] == row["model"])
-        lines.append(f"| {row['model']} | {row['dtype']} | {row['batch_size']} | {row['system']} | "
-                     f"{row['ttft_s'] * 1e3:.1f} | {row['decode_tok_s']:.1f} | "
-                     f"{row['decode_tok_s'] / base['decode_tok_s']:.2f}x | "
-                     f"{ {True: 'yes', False: 'NO'}.get(row.get('greedy_tokens_match'), '-') } |")
+def run_job(job: dict, timeout: float) -> dict:
+    """One system in a subprocess; a crash or a timeout is recorded as that system's result, not raised."""
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--job", json.dumps(job)], capture_output=True, text=True,
+                              timeout=timeout, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s (--job-timeout)"}
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1][:200]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- roofline ---------------------------------------------------------------------------------------------
+def bandwidth(dtype: torch.dtype, megabytes: int = 1024, repeats: int = 5) -> dict:
+    """GB/s of a matrix-vector product (the decode access pattern) and of a plain copy, far beyond caches."""
+    cols = 4096
+    rows = megabytes * 2**20 // (cols * dtype.itemsize)
+    weight = torch.randn(rows, cols).to(dtype)
+    x = torch.randn(1, cols).to(dtype)
+    torch.nn.functional.linear(x, weight)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.nn.functional.linear(x, weight)
+    gemv = weight.numel() * dtype.itemsize * repeats / (time.perf_counter() - start) / 1e9
+    dst = torch.empty_like(weight)
+    dst.copy_(weight)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(weight)
+    copy = 2 * weight.numel() * dtype.itemsize * repeats / (time.perf_counter() - start) / 1e9
+    return {"gemv_gb_s": gemv, "copy_gb_s": copy}
+
+
+def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_tokens: int) -> int:
+    from transformers import AutoConfig
+
+    from optimum_neuronx import NeuronConfig
+    from optimum_neuronx.exporters import get_export_config
+    from optimum_neuronx.memory import parameter_count
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    spec = get_export_config(config.model_type).decoder_spec(config, NeuronConfig(
+        sequence_length=cached_tokens, context_buckets=[cached_tokens], token_buckets=[cached_tokens]))
+    size = NeuronConfig(auto_cast_type=dtype).torch_dtype.itemsize
+    kv = 2 * spec.num_layers * batch_size * cached_tokens * spec.num_kv_heads * spec.head_dim * size
+    return parameter_count(spec) * size + kv
+
+
+# -- report -----------------------------------------------------------------------------------------------
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | dtype | batch | system | TTFT ms (prompt tokens) | TTFT vs eager | decode tok/s | decode vs eager "
+             "| % of bound | peak RSS (GiB) | greedy = eager |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['dtype']} | {r['batch_size']} | {r['system']} | failed: {r['error']} "
+                         f"| | | | | | |")
+            continue
+        base = next((b for b in rows if b["system"] == SYSTEMS[0] and b["model"] == r["model"]
+                     and b["dtype"] == r["dtype"] and b["batch_size"] == r["batch_size"] and "error" not in b), None)
+        longest = max(r["ttft_s"], key=int)
+        ttft = ", ".join(f"{r['ttft_s'][n] * 1e3:.0f} ({n})" for n in sorted(r["ttft_s"], key=int))
+        # Eager time over ours: above 1 means faster than eager.
+        ttft_ratio = f"{base['ttft_s'][longest] / r['ttft_s'][longest]:.2f}x ({longest})" if base else "-"
+        ratio = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
+        match = {True: "yes", False: "NO"}.get(r.get("greedy_tokens_match"), "-")
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['batch_size']} | {r['system']} | {ttft} | {ttft_ratio} | "
+                     f"{r['decode_tok_s']:.1f} | {ratio} | {100 * r['decode_tok_s'] / r['bound_tok_s']:.0f}% | "
+                     f"{r['peak_rss_gib']:.2f} | {match} |")
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.warning("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return
+    ok = [r for r in rows if "error" not in r]
+    labels = [f"{r['model']}\n{r['dtype']} b{r['batch_size']}\n{r['system']}" for r in ok]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(ok)), 5))
+    ax.bar(range(len(ok)), [r["decode_tok_s"] for r in ok], color=["C%d" % SYSTEMS.index(r["system"]) for r in ok])
+    ax.scatter(range(len(ok)), [r["bound_tok_s"] for r in ok], marker="_", s=400, color="k", label="bandwidth bound")
+    ax.set_xticks(range(len(ok)), labels, fontsize=7)
+    ax.set_ylabel("decode tokens/s (all rows)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def environment() -> dict:
+    flags = ""
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = " ".join(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
+                break
+    model_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                       if line.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else ""
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": model_name, "cpu_flags": flags,
+            "python": platform.python_version()}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fp32, batch 1, 3 repeats")
-    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(TORCH_DTYPES))
+    parser.add_argument("--quick", action="store_true", help="SmolLM2, fp32, batch 1, 128-token prompt")
+    parser.add_argument("--models", nargs="+", default=["smollm2", "tinyllama-1.1b-shape"])
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--prompt-tokens", nargs="+", type=int, default=[128, 512],
+                        help="time to first token for each; decode on the shortest")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sequence-length", type=int, default=256)
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--work-dir", type=Path, default=None, help="checkpoints and exports (default: temporary)")
+    parser.add_argument("--job-timeout", type=float, default=1800, help="seconds one (model, dtype, system) may take")
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # internal: run one system in this process
     args = parser.parse_args()
+    if args.job:
+        print(json.dumps(run_system(json.loads(args.job))))
+        return
     if args.quick:
-        args.dtypes, args.batch_sizes = ["fp32"], [1]
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        args.models, args.dtypes, args.batch_sizes, args.prompt_tokens = ["smollm2"], ["fp32"], [1], [128]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
+    env = environment()
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        results = bench_smollm2(args, args.work_dir or Path(tmp))
-    environment = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor()
-                   or platform.machine(), "python": platform.python_version()}
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        roofline = {dtype: bandwidth(getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]))
+                    for dtype in args.dtypes}
+        logging.info("roofline: %s", roofline)
+        for model_name in args.models:
+            checkpoint = model_checkpoint(model_name, work)
+            for dtype in args.dtypes:
+                for system in args.systems:
+                    job = dict(checkpoint=str(checkpoint), dtype=dtype, system=system, work=str(work),
+                               batch_sizes=args.batch_sizes, prompt_tokens=args.prompt_tokens,
+                               new_tokens=args.new_tokens, repeats=args.repeats, threads=env["threads"])
+                    logging.info("running %s %s %s", model_name, dtype, system)
+                    start = time.perf_counter()
+                    result = run_job(job, args.job_timeout)
+                    if "error" in result:
+                        result = {"batches": {str(b): {"error": result["error"]} for b in args.batch_sizes}}
+                    logging.info("  done in %.0f s", time.perf_counter() - start)
+                    for batch_size, numbers in result.pop("batches").items():
+                        step_bytes = bytes_per_decode_step(checkpoint, dtype, int(batch_size),
+                                                           min(args.prompt_tokens) + args.new_tokens // 2)
+                        bound = roofline[dtype]["gemv_gb_s"] * 1e9 / step_bytes * int(batch_size)
+                        rows.append(dict(model=model_name, dtype=dtype, batch_size=int(batch_size), system=system,
+                                         bound_tok_s=bound, **numbers, **result))
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.json").write_text(json.dumps({"environment": environment, "results": results},
-                                                             indent=2))
-    table = markdown(results)
+    (args.output_dir / "results.json").write_text(json.dumps({"environment": env, "roofline": roofline,
+                                                              "results": rows}, indent=2))
+    table = markdown(rows)
     (args.output_dir / "results.md").write_text(table + "\n")
-    print(json.dumps(environment))
+    plot(rows, args.output_dir / "results.png")
+    print(json.dumps(env))
+    print("roofline (GB/s):", json.dumps(roofline))
     print(table)
-    for row in results:
-        if "compile_s_per_graph" in row:
-            print(f"{row['dtype']}: compile s/graph {row['compile_s_per_graph']}, reload {row['reload_s']:.2f} s")
+    for r in rows:
+        if "compile_s_per_graph" in r:
+            print(f"{r['model']} {r['dtype']}: compile s/graph {r['compile_s_per_graph']}, reload {r['reload_s']:.2f} s")
 
 
 if __name__ == "__main__":
