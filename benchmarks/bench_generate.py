@@ -290,9 +290,10 @@ def main():
     print(json.dumps(env))
     print("roofline (GB/s):", json.dumps(roofline))
     print(table)
-    for r in rows:
-        if "compile_s_per_graph" in r:
-            print(f"{r['model']} {r['dtype']}: compile s/graph {r['compile_s_per_graph']}, reload {r['reload_s']:.2f} s")
+    # One export per (model, dtype), shared by its batch-size rows: print its compile and reload times once.
+    exports = {(r["model"], r["dtype"]): r for r in rows if "compile_s_per_graph" in r}
+    for (model_name, dtype), r in exports.items():
+        print(f"{model_name} {dtype}: compile s/graph {r['compile_s_per_graph']}, reload {r['reload_s']:.2f} s")
 
 
 if __name__ == "__main__":
