@@ -108,21 +108,51 @@ def test_reexport_with_other_sequence_length_does_not_reuse_stale_kernels(compil
     assert torch.equal(longer.generate(input_ids=input_ids, **kwargs), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5])
-def test_projection_as_reduction_matches_linear(rows):
-    # The decode graphs write few-row float32 projections as multiply + sum: it must equal F.linear on both
-    # sides of the row limit, eager and compiled.
+def test_projection_as_reduction_matches_linear(rows, dtype):
+    # The decode graphs write few-row projections as one multiply + sum per row: each output row must be
+    # that row's F.linear (no mixed-up rows or transposed layout) on both sides of the row limit, eager and
+    # compiled. bfloat16 is checked against float32 math on the same rounded inputs, within its rounding.
     from optimum_neuronx.backends import get_backend
     from optimum_neuronx.modeling.decoder import project
 
     generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 1, 48, generator=generator)
-    weight, bias = torch.randn(80, 48, generator=generator), torch.randn(80, generator=generator)
-    matvec_rows = get_backend("inductor").matvec_rows(torch.float32)
-    assert matvec_rows == 4 and get_backend("inductor").matvec_rows(torch.bfloat16) == 0
-    out = project(x, weight, bias, matvec_rows)
-    assert out.shape == (rows, 1, 80)
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    x = torch.randn(rows, 1, 48, generator=generator).to(dtype)
+    weight = torch.randn(80, 48, generator=generator).to(dtype)
+    bias = torch.randn(80, generator=generator).to(dtype)
+    backend = get_backend("inductor")
+    matvec_rows, gemm_dtype = backend.matvec_rows(dtype), backend.gemm_dtype(dtype)
+    assert matvec_rows == 4
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
+    out = project(x, weight, bias, matvec_rows, gemm_dtype)
+    assert out.shape == (rows, 1, 80) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **tolerance)
     with torch.no_grad():
-        compiled = torch.compile(project, fullgraph=True)(x, weight, bias, matvec_rows)
-    torch.testing.assert_close(compiled, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        compiled = torch.compile(project, fullgraph=True)(x, weight, bias, matvec_rows, gemm_dtype)
+    assert compiled.dtype == dtype
+    torch.testing.assert_close(compiled.float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_half_precision_gemm_upcasts_only_without_native_support(monkeypatch, native):
+    # Without avx512_bf16/AMX the BLAS emulates bf16 GEMMs (8x slower than float32): the inductor backend then
+    # multiplies in float32 and rounds the result, which equals a float32 GEMM of the same operands.
+    from optimum_neuronx.backends import get_backend
+    from optimum_neuronx.modeling.decoder import project
+
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: native, raising=False)
+    backend = get_backend("inductor")
+    assert backend.gemm_dtype(torch.float32) == torch.float32
+    for dtype in (torch.bfloat16, torch.float16):
+        assert backend.gemm_dtype(dtype) == (dtype if native else torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 48, generator=generator).bfloat16()
+    weight = torch.randn(80, 48, generator=generator).bfloat16()
+    out = project(x, weight, None, backend.matvec_rows(torch.bfloat16), backend.gemm_dtype(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    reference = torch.nn.functional.linear(x.float(), weight.float()).bfloat16() if not native else \
+        torch.nn.functional.linear(x, weight)
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)

@@ -36,6 +36,10 @@ class Backend(ABC):
         """Largest row count whose projections the decoder writes as a reduction (see modeling/decoder.py)."""
         return 0
 
+    def gemm_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Dtype the decoder's matrix multiplications (F.linear) compute in for weights of `dtype`."""
+        return dtype
+
     @abstractmethod
     def check_toolchain(self) -> None:
         """Raise a clear error, before any work, when the compiler cannot run here."""

@@ -90,7 +90,8 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     start = time.perf_counter()
     hf_model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32, **hf_kwargs)
     with torch.device("meta"):
-        decoder = StaticDecoder(spec, matvec_rows=backend.matvec_rows(neuron_config.torch_dtype))
+        decoder = StaticDecoder(spec, matvec_rows=backend.matvec_rows(neuron_config.torch_dtype),
+                                gemm_dtype=backend.gemm_dtype(neuron_config.torch_dtype))
     weights = export_config.convert_weights(hf_model.state_dict(), decoder.parameter_names(),
                                             neuron_config.torch_dtype)
     decoder.load_state_dict(weights, strict=False, assign=True)

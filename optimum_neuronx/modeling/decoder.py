@@ -16,8 +16,9 @@ Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal
 state at `last_index` goes through the final norm and the LM head.
 
 Projections over a handful of rows (decode) can be written as multiply + sum instead of a matmul
-(`matvec_rows`, chosen by the backend): Inductor fuses that into one streaming reduction over the weight,
-which on CPUs reads float32 weights faster than the BLAS GEMV does (docs/performance.md).
+(`matvec_rows`, chosen by the backend): Inductor fuses that into one streaming reduction over the weight
+with one accumulator per row, which on CPUs reads the weights faster than the BLAS GEMV/GEMM does
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -60,30 +61,56 @@ class DecoderSpec:
         return (2, batch_size, self.num_kv_heads, sequence_length, self.head_dim)
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, matvec_rows: int) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; as a fused multiply + sum when x has at most `matvec_rows` rows.
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, matvec_rows: int,
+            gemm_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; as one multiply + sum per row when x has at most `matvec_rows` rows.
 
-    The [out, rows] product order makes the generated kernel walk each weight row once for all rows.
+    Matrix multiplications compute in `gemm_dtype` (default: x's dtype) and round back to x's dtype.
+
+    The per-row reductions share their loop over the weight, so the compiled kernel reads each weight
+    row once and keeps one accumulator per input row; results are stacked row-major. (A single
+    [out, rows, in] product instead leaves its result column-major, and the layout then spreads to the
+    residual stream and turns the next reductions into strided ones: 30x slower at 4 rows.)
     """
     rows = x.numel() // x.shape[-1]
     if rows > matvec_rows:
-        return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
-    out = (weight[:, None, :] * flat[None, :, :]).sum(-1).t()
+        if gemm_dtype is None or gemm_dtype == x.dtype:
+            return F.linear(x, weight, bias)
+        cast = [t if t is None else t.to(gemm_dtype) for t in (x, weight, bias)]
+        return F.linear(*cast).to(x.dtype)
+    flat = _materialized(x.reshape(rows, x.shape[-1]))
+    out = torch.stack([(weight * row).sum(-1) for row in flat.unbind(0)])
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _materialized(x: torch.Tensor) -> torch.Tensor:
+    """`x`, stored to memory by Inductor rather than recomputed inside its consumer's inner loop.
+
+    Without it the RMSNorm producing a projection's input (a division and a square root per row) is
+    inlined into every step of the reduction over the weight: 3x slower at 4 rows. Identity in eager
+    mode and for compilers that do not know the primitive.
+    """
+    try:
+        from torch._inductor import inductor_prims  # noqa: F401  (registers the primitive)
+    except ImportError:
+        return x
+    force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    return x if force is None else force(x, x.stride())
+
+
 class Projection(nn.Linear):
     """nn.Linear (same parameter names) whose few-row matmuls may go through `project`'s reduction."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, matvec_rows: int):
+    def __init__(self, in_features: int, out_features: int, bias: bool, matvec_rows: int,
+                 gemm_dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=bias)
         self.matvec_rows = matvec_rows
+        self.gemm_dtype = gemm_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.matvec_rows)
+        return project(x, self.weight, self.bias, self.matvec_rows, self.gemm_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -105,20 +132,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, matvec_rows: int = 0):
+    def __init__(self, spec: DecoderSpec, matvec_rows: int = 0, gemm_dtype: torch.dtype | None = None):
         super().__init__()
         self.spec = spec
         s = spec
+        lowering = dict(matvec_rows=matvec_rows, gemm_dtype=gemm_dtype)
         self.input_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.qkv_proj = Projection(s.hidden_size, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.qkv_bias,
-                                   matvec_rows)
-        self.o_proj = Projection(s.num_heads * s.head_dim, s.hidden_size, s.o_bias, matvec_rows)
+                                   **lowering)
+        self.o_proj = Projection(s.num_heads * s.head_dim, s.hidden_size, s.o_bias, **lowering)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
         self.post_attention_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.gate_up_proj = Projection(s.hidden_size, 2 * s.intermediate_size, s.mlp_bias, matvec_rows)
-        self.down_proj = Projection(s.intermediate_size, s.hidden_size, s.mlp_bias, matvec_rows)
+        self.gate_up_proj = Projection(s.hidden_size, 2 * s.intermediate_size, s.mlp_bias, **lowering)
+        self.down_proj = Projection(s.intermediate_size, s.hidden_size, s.mlp_bias, **lowering)
         self.act = _ACTIVATIONS[s.hidden_act]
 
     def forward(self, h, cos, sin, mask, slots, kv_cache):
@@ -164,12 +192,13 @@ class DecoderLayer(nn.Module):
 
 
 class StaticDecoder(nn.Module):
-    def __init__(self, spec: DecoderSpec, matvec_rows: int = 0):
+    def __init__(self, spec: DecoderSpec, matvec_rows: int = 0, gemm_dtype: torch.dtype | None = None):
         super().__init__()
         self.spec = spec
         self.matvec_rows = matvec_rows
+        self.gemm_dtype = gemm_dtype
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, matvec_rows) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, matvec_rows, gemm_dtype) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -203,4 +232,4 @@ class StaticDecoder(nn.Module):
         h = h[torch.arange(B, device=h.device), last_index]  # [B, hidden]
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        return project(h, weight, None, self.matvec_rows).float()
+        return project(h, weight, None, self.matvec_rows, self.gemm_dtype).float()
