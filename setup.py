@@ -18,7 +18,8 @@ setup(
     packages=find_packages(include=["optimum_neuronx", "optimum_neuronx.*"]) + ["optimum.commands.register"],
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.6",
+        # Tested on 2.13 and 2.14; AOTInductor's package loader segfaults on 2.11 (seen on 2.11.0+cu130).
+        "torch>=2.13",
         "optimum>=2.0",
         "transformers>=5.0",
         "huggingface_hub>=0.30",
