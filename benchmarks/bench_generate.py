@@ -4,14 +4,14 @@ compiled graphs, side by side in one run on the same prompts, with the machine's
     python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt: under 5 min on 2 cores
     python benchmarks/bench_generate.py             # + bf16, batch 4, 512-token prompts, TinyLlama-1.1B shape
 
-Each (model, dtype, system) runs in its own subprocess, so peak RSS is per system. Per batch size: time to
-first token (generate with max_new_tokens=1) for each --prompt-tokens length (random token prompts), decode
-tokens/s on the shortest prompt ((N - 1) new tokens per row over the time a generation of N takes beyond
-the first token, all rows counted), median of
---repeats runs after a warm-up; compile time per graph and reload time for the compiled model, whose
-greedy tokens are checked against eager before timing. Roofline: a matrix-vector product over a
-weight-sized matrix per dtype (and a plain copy) gives the bandwidth decode can use; bound = bandwidth /
-bytes read per decode step (weights + KV cache in use). Writes results.json, results.md and results.png
+Each (model, dtype, system) runs in its own subprocess, so peak RSS is per system. Time to first token
+(generate with max_new_tokens=1) for each --prompt-tokens length (random token prompts) at the smallest
+batch size; per batch size, decode tokens/s on the shortest prompt ((N - 1) new tokens per row over the
+time a generation of N takes beyond the first token, all rows counted), median of --repeats runs after a
+warm-up. Our model is exported once per batch size (static shapes); compile time per graph, reload time,
+and greedy tokens checked against eager for each export. Roofline: a matrix-vector product over a
+weight-sized matrix per dtype and a plain copy give the bandwidth decode can use; bound = the faster of
+the two / bytes read per decode step (weights + KV cache in use). Writes results.json, results.md and results.png
 to --output-dir.
 """
 
@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -78,6 +79,36 @@ def measure(model, inputs: dict, new_tokens: int, repeats: int, **extra) -> dict
     return {"ttft_s": ttft, "decode_tok_s": rows * (new_tokens - 1) / (total - ttft[min(inputs)])}
 
 
+def export_for_batch(job: dict, batch_size: int, prompts: list[int]) -> Path:
+    """Our artifact for one batch size (static shapes: a batch-1 request on a batch-4 export computes 4 rows).
+    Its context buckets are the prompt lengths timed at that batch size; token buckets reach the decode length."""
+    from optimum_neuronx import NeuronModelForCausalLM
+
+    checkpoint, dtype = Path(job["checkpoint"]), job["dtype"]
+    decode_length = prompts[0] + job["new_tokens"]
+    sequence_length = max(decode_length, prompts[-1] + 1)
+    export_dir = Path(job["work"]) / f"{checkpoint.name}-{dtype}-b{batch_size}-p{'_'.join(map(str, prompts))}"
+    if not (export_dir / "neuron_config.json").exists():
+        NeuronModelForCausalLM.from_pretrained(
+            checkpoint, export=True, compile_cache=False, batch_size=batch_size, sequence_length=sequence_length,
+            context_buckets=prompts, token_buckets=sorted({decode_length, sequence_length}), auto_cast_type=dtype,
+        ).save_pretrained(export_dir)
+    return export_dir
+
+
+def greedy_matches_eager(model, job: dict, batch_size: int) -> bool:
+    """A fast wrong model is worthless: greedy tokens must equal eager's (exact in fp32; bf16 may diverge)."""
+    from transformers import AutoModelForCausalLM
+
+    from optimum_neuronx.configuration import TORCH_DTYPES
+
+    checkpoint = Path(job["checkpoint"])
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[job["dtype"]]).eval()
+    inputs = prompt_inputs(checkpoint, batch_size, min(job["prompt_tokens"]), model.config.vocab_size)
+    greedy = dict(max_new_tokens=16, do_sample=False)
+    return torch.equal(model.generate(**inputs, **greedy), reference.generate(**inputs, **greedy))
+
+
 def run_system(job: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -87,43 +118,50 @@ def run_system(job: dict) -> dict:
     torch.set_num_threads(job["threads"])
     checkpoint, dtype, system = Path(job["checkpoint"]), job["dtype"], job["system"]
     prompts = sorted(job["prompt_tokens"])
-    decode_length = prompts[0] + job["new_tokens"]
-    sequence_length = max(decode_length, prompts[-1] + 1)
+    smallest_batch = min(job["batch_sizes"])
     out: dict = {"batches": {}}
     extra = {}
-    if system == "optimum-neuronx (inductor)":
-        export_dir = Path(job["work"]) / f"{checkpoint.name}-{dtype}-b{max(job['batch_sizes'])}-s{sequence_length}"
-        if not (export_dir / "neuron_config.json").exists():
-            NeuronModelForCausalLM.from_pretrained(
-                checkpoint, export=True, compile_cache=False, batch_size=max(job["batch_sizes"]),
-                sequence_length=sequence_length, context_buckets=prompts,
-                token_buckets=sorted({decode_length, sequence_length}), auto_cast_type=dtype,
-            ).save_pretrained(export_dir)
-        start = time.perf_counter()
-        model = NeuronModelForCausalLM.from_pretrained(export_dir)
-        out["reload_s"] = time.perf_counter() - start
-        out["compile_s_per_graph"] = json.loads((export_dir / "neuron_config.json").read_text())["compile_time_s"]
-        reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).eval()
-        inputs = prompt_inputs(checkpoint, 1, prompts[0], model.config.vocab_size)
-        greedy = dict(max_new_tokens=16, do_sample=False)
-        # A fast wrong model is worthless: greedy tokens must equal eager's (exact in fp32; bf16 may diverge).
-        out["greedy_tokens_match"] = torch.equal(model.generate(**inputs, **greedy),
-                                                 reference.generate(**inputs, **greedy))
-        del reference
-    else:
+    if job.get("export_only"):  # compile in a process of its own, so peak RSS below is the serving process's
+        for batch_size in job["batch_sizes"]:
+            export_for_batch(job, batch_size, prompts if batch_size == smallest_batch else prompts[:1])
+        return out
+    if system != "optimum-neuronx (inductor)":
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).eval()
         if system == "transformers static+compile":
             # Transformers' own auto-compile in generate is GPU-only: compile the forward explicitly.
             model.forward = torch.compile(model.forward)
             extra = {"cache_implementation": "static"}
     for batch_size in job["batch_sizes"]:
-        inputs = {n: prompt_inputs(checkpoint, batch_size, n, model.config.vocab_size) for n in prompts}
+        # Time to first token for every prompt length at the smallest batch; larger batches time decode only.
+        timed_prompts = prompts if batch_size == smallest_batch else prompts[:1]
+        result: dict = {}
         try:
-            out["batches"][batch_size] = measure(model, inputs, job["new_tokens"], job["repeats"], **extra)
-        except Exception as err:  # record, don't hide, a baseline that does not work here
-            out["batches"][batch_size] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
-    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            if system == "optimum-neuronx (inductor)":
+                export_dir = export_for_batch(job, batch_size, timed_prompts)
+                start = time.perf_counter()
+                model = NeuronModelForCausalLM.from_pretrained(export_dir)
+                result["reload_s"] = time.perf_counter() - start
+                result["compile_s_per_graph"] = json.loads(
+                    (export_dir / "neuron_config.json").read_text())["compile_time_s"]
+            inputs = {n: prompt_inputs(checkpoint, batch_size, n, model.config.vocab_size) for n in timed_prompts}
+            result.update(measure(model, inputs, job["new_tokens"], job["repeats"], **extra))
+            result["peak_rss_gib"] = peak_rss_gib()  # before the check below loads a reference model
+            if system == "optimum-neuronx (inductor)":
+                result["greedy_tokens_match"] = greedy_matches_eager(model, job, batch_size)
+                del model
+        except Exception as err:  # record, don't hide, a system that does not work here
+            result = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+        out["batches"][batch_size] = result
     return out
+
+
+def peak_rss_gib() -> float:
+    """This process's own high-water RSS. Not getrusage's ru_maxrss: Linux carries that across fork + exec, so
+    every job would report at least the parent's RSS at spawn time (the roofline's 2 GiB of matrices)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def run_job(job: dict, timeout: float) -> dict:
@@ -134,8 +172,15 @@ def run_job(job: dict, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s (--job-timeout)"}
     if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1][:200]}
+        return {"error": f"{failure_line(proc.stderr)} (exit {proc.returncode})"[:240]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def failure_line(stderr: str) -> str:
+    """The exception (or fatal error) line of a failed job's stderr, not its last progress bar."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and "%|" not in line]
+    errors = [line for line in lines if re.match(r"^(Fatal Python error|[\w.]*(Error|Exception)\b)", line)]
+    return (errors or lines or ["no output"])[-1]
 
 
 # -- roofline ---------------------------------------------------------------------------------------------
@@ -156,7 +201,9 @@ def bandwidth(dtype: torch.dtype, megabytes: int = 1024, repeats: int = 5) -> di
     for _ in range(repeats):
         dst.copy_(weight)
     copy = 2 * weight.numel() * dtype.itemsize * repeats / (time.perf_counter() - start) / 1e9
-    return {"gemv_gb_s": gemv, "copy_gb_s": copy}
+    # The bound uses the faster of the two: a BLAS GEMV can be compute-limited (bf16 on CPUs without bf16 dot
+    # products) and would make the bound, not the memory, the limit.
+    return {"gemv_gb_s": gemv, "copy_gb_s": copy, "bound_gb_s": max(gemv, copy)}
 
 
 def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_tokens: int) -> int:
@@ -271,14 +318,18 @@ def main():
                                new_tokens=args.new_tokens, repeats=args.repeats, threads=env["threads"])
                     logging.info("running %s %s %s", model_name, dtype, system)
                     start = time.perf_counter()
-                    result = run_job(job, args.job_timeout)
+                    result = {}
+                    if system == "optimum-neuronx (inductor)":
+                        result = run_job(dict(job, export_only=True), args.job_timeout)
+                    if "error" not in result:
+                        result = run_job(job, args.job_timeout)
                     if "error" in result:
                         result = {"batches": {str(b): {"error": result["error"]} for b in args.batch_sizes}}
                     logging.info("  done in %.0f s", time.perf_counter() - start)
                     for batch_size, numbers in result.pop("batches").items():
                         step_bytes = bytes_per_decode_step(checkpoint, dtype, int(batch_size),
                                                            min(args.prompt_tokens) + args.new_tokens // 2)
-                        bound = roofline[dtype]["gemv_gb_s"] * 1e9 / step_bytes * int(batch_size)
+                        bound = roofline[dtype]["bound_gb_s"] * 1e9 / step_bytes * int(batch_size)
                         rows.append(dict(model=model_name, dtype=dtype, batch_size=int(batch_size), system=system,
                                          bound_tok_s=bound, **numbers, **result))
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -290,10 +341,10 @@ def main():
     print(json.dumps(env))
     print("roofline (GB/s):", json.dumps(roofline))
     print(table)
-    # One export per (model, dtype), shared by its batch-size rows: print its compile and reload times once.
-    exports = {(r["model"], r["dtype"]): r for r in rows if "compile_s_per_graph" in r}
-    for (model_name, dtype), r in exports.items():
-        print(f"{model_name} {dtype}: compile s/graph {r['compile_s_per_graph']}, reload {r['reload_s']:.2f} s")
+    for r in rows:  # one export per (model, dtype, batch size)
+        if "compile_s_per_graph" in r:
+            print(f"{r['model']} {r['dtype']} batch {r['batch_size']}: compile s/graph {r['compile_s_per_graph']}, "
+                  f"reload {r['reload_s']:.2f} s")
 
 
 if __name__ == "__main__":
