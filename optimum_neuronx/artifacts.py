@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from .backends import get_backend
 from .backends.base import GraphSpec
 from .configuration import NEURON_CONFIG_NAME, NeuronConfig
 from .version import ARTIFACT_FORMAT_VERSION, __version__
@@ -46,7 +47,7 @@ def _read_json(path: Path) -> dict:
 
 
 def write_neuron_config(
-    directory: Path, neuron_config: NeuronConfig, graphs: list[GraphSpec], compiler_version: str,
+    directory: Path, neuron_config: NeuronConfig, graphs: list[GraphSpec], compiler: dict,
     compile_times: dict[str, float], files: tuple[str, ...],
 ) -> dict:
     """Stamp the export: call last, once config.json and every file in `files` are written."""
@@ -61,7 +62,7 @@ def write_neuron_config(
             "optimum_neuronx": __version__,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "compiler": {"name": neuron_config.backend, "version": compiler_version},
+            "compiler": {"name": neuron_config.backend, **compiler},  # version, target
         },
         "config_hash": config_hash(_read_json(directory / CONFIG_NAME), neuron_config),
         "files": {name: {"size": (directory / name).stat().st_size} for name in files},
@@ -99,6 +100,13 @@ def read_artifact(directory: str | Path) -> tuple[NeuronConfig, dict]:
         raise ArtifactError(f"{directory} was compiled with torch {versions.get('torch')}, but torch "
                             f"{torch.__version__} is installed; compiled graphs only run on the torch build that "
                             f"compiled them. {redo}")
+    try:
+        missing = get_backend(neuron_config.backend).missing_target_support(versions["compiler"].get("target", ""))
+    except (KeyError, AttributeError) as err:
+        raise ArtifactError(f"{meta_path} is unreadable or incomplete ({err!r}). {redo}") from None
+    if missing:
+        raise ArtifactError(f"{directory} cannot run on this machine: {missing}. Export it on this machine "
+                            f"(or one like it). {redo}")
     for name, info in meta.get("files", {}).items():
         path = directory / name
         if not path.is_file():

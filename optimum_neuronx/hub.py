@@ -33,6 +33,7 @@ Compiled with [optimum-neuronx](https://github.com/huggingface/optimum-neuronx) 
 | tp_degree | {tp_degree} |
 | torch | {torch} |
 | compiler | {compiler} |
+| compiled for | {target} |
 
 ```python
 from optimum_neuronx import NeuronModelForCausalLM
@@ -54,6 +55,7 @@ def model_card(artifact_dir: Path, repo_id: str) -> str:
         context_buckets=list(neuron_config.context_buckets), token_buckets=list(neuron_config.token_buckets),
         auto_cast_type=neuron_config.auto_cast_type, tp_degree=neuron_config.tp_degree, torch=versions["torch"],
         compiler=f"{versions['compiler']['name']} {versions['compiler']['version']}",
+        target=versions["compiler"].get("target") or "any machine the backend runs on",
     )
 
 

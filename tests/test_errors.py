@@ -94,11 +94,22 @@ def _edit_json(path, edit):
     (lambda m: m["versions"].update(optimum_neuronx="0.0.1"), r"exported by optimum-neuronx 0.0.1"),
     (lambda m: m.update(artifact_format=99), r"artifact format 99"),
     (lambda m: m["neuron_config"].update(batch_size=1), r"no longer matches what was compiled"),
-], ids=["torch", "package", "format", "neuron_config_edited"])
+    # An export made on a CPU with wider vector instructions would die with SIGILL here, not raise.
+    (lambda m: m["versions"]["compiler"].update(target="cpu neon_sve9000"),
+     r"compiled for the vector instructions 'neon_sve9000', which this CPU lacks \(it supports: .*\)\. Export it "
+     r"on this machine"),
+], ids=["torch", "package", "format", "neuron_config_edited", "cpu_target"])
 def test_stale_or_foreign_artifact_refused(damaged, edit, message):
     _edit_json(damaged / "neuron_config.json", edit)
     with pytest.raises(ArtifactError, match=message):
         NeuronModelForCausalLM.from_pretrained(damaged)
+
+
+def test_export_is_stamped_with_the_cpu_it_compiled_for(saved_tiny_llama):
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    compiler = json.loads((saved_tiny_llama / "neuron_config.json").read_text())["versions"]["compiler"]
+    assert compiler["target"] == f"cpu {pick_vec_isa()}".strip()
 
 
 def test_edited_model_config_refused(damaged):

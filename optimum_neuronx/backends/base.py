@@ -47,6 +47,14 @@ class Backend(ABC):
     @abstractmethod
     def compiler_version(self) -> str: ...
 
+    def target(self) -> str:
+        """What compiled graphs need of the machine that runs them (stamped in the export and the cache key)."""
+        return ""
+
+    def missing_target_support(self, target: str) -> str:
+        """Why graphs compiled for `target` cannot run on this machine, or "" when they can."""
+        return ""
+
     @abstractmethod
     def graph_files(self) -> tuple[str, ...]:
         """Files (relative to the artifact directory) that hold the compiled graphs."""

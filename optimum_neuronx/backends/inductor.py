@@ -73,6 +73,23 @@ class InductorBackend(Backend):
     def compiler_version(self) -> str:
         return torch.__version__
 
+    def target(self) -> str:
+        # Inductor's C++ kernels use the widest vector ISA of the compiling CPU (e.g. "avx512 avx512_vnni");
+        # gemm_dtype also depends on the compiling CPU, but both of its choices run anywhere.
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        return f"cpu {pick_vec_isa()}".strip()
+
+    def missing_target_support(self, target: str) -> str:
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+        isa = target.removeprefix("cpu").strip()
+        supported = [str(vec) for vec in valid_vec_isa_list()]
+        if not isa or isa in supported:
+            return ""
+        return (f"its kernels were compiled for the vector instructions {isa!r}, which this CPU lacks "
+                f"(it supports: {', '.join(supported) or 'none'})")
+
     def graph_files(self) -> tuple[str, ...]:
         return (PACKAGE_NAME,)
 

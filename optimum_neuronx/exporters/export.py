@@ -118,9 +118,11 @@ class _Prepared:
     generation_config: object
     start: float
 
+    def backend_stamp(self) -> dict:
+        return {"version": self.backend.compiler_version(), "target": self.backend.target()}
+
     def cache_key(self) -> CacheKey:
-        versions = {"optimum_neuronx": __version__, "torch": torch.__version__,
-                    "compiler": self.backend.compiler_version()}
+        versions = {"optimum_neuronx": __version__, "torch": torch.__version__, "compiler": self.backend_stamp()}
         weights = {name: p for name, p in self.decoder.named_parameters()}
         return cache_key(self.config.to_dict(), weights_digest(weights), self.neuron_config.to_dict(), versions)
 
@@ -142,7 +144,7 @@ def _compile(p: _Prepared, output_dir: str | Path) -> dict:
             generation_config = GenerationConfig.from_model_config(p.config)
         generation_config.save_pretrained(staging)
         _save_tokenizer(p.model_id, staging, p.hf_kwargs)
-        meta = write_neuron_config(staging, nc, p.graphs, p.backend.compiler_version(), times,
+        meta = write_neuron_config(staging, nc, p.graphs, p.backend_stamp(), times,
                                    (WEIGHTS_NAME, *p.backend.graph_files()))
     logger.info("Exported %s to %s in %.1f s", p.model_id, output_dir, time.perf_counter() - p.start)
     return meta
