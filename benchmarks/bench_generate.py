@@ -97,34 +97,18 @@ def export_for_batch(job: dict, batch_size: int, prompts: list[int]) -> Path:
 
 
 def greedy_matches_eager(model, job: dict, batch_size: int) -> str:
-    """A fast wrong model is worthless: greedy tokens must equal eager's. "yes"; "NO"; or, in half precision, where
-    two correct implementations round differently, "near-tie": at the first token where a row differs, eager's
-    logits for its token and ours are within 2 units in the last place of that dtype (a rounding-level tie)."""
+    """A fast wrong model is worthless: greedy tokens against eager's at the same dtype, with the verdict of
+    `optimum-cli neuron verify` ("yes", "NO", or in half precision "near-tie": differing only at rounding-level
+    ties, see optimum_neuronx.verification.Comparison)."""
     from transformers import AutoModelForCausalLM
 
     from optimum_neuronx.configuration import TORCH_DTYPES
+    from optimum_neuronx.verification import compare_generation
 
     checkpoint, dtype = Path(job["checkpoint"]), TORCH_DTYPES[job["dtype"]]
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
     inputs = prompt_inputs(checkpoint, batch_size, min(job["prompt_tokens"]), model.config.vocab_size)
-    greedy = dict(max_new_tokens=16, do_sample=False)
-    ours = model.generate(**inputs, **greedy)
-    eager = reference.generate(**inputs, **greedy, output_scores=True, return_dict_in_generate=True)
-    if torch.equal(ours, eager.sequences):
-        return "yes"
-    if dtype == torch.float32:
-        return "NO"
-    start = inputs["input_ids"].shape[1]
-    for row in range(batch_size):
-        differs = (ours[row, start:] != eager.sequences[row, start:]).nonzero()
-        if len(differs):
-            step = differs[0].item()
-            logits = eager.scores[step][row].float()
-            theirs, mine = logits[eager.sequences[row, start + step]], logits[ours[row, start + step]]
-            ulp = torch.finfo(dtype).eps * theirs.abs().clamp(min=1.0)
-            if theirs - mine > 2 * ulp:
-                return "NO"
-    return "near-tie"
+    return compare_generation(reference, model, **inputs, max_new_tokens=16).verdict
 
 
 def run_system(job: dict) -> dict:

@@ -139,7 +139,11 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         config = AutoConfig.from_pretrained(artifact_dir)
         weights = load_file(str(Path(artifact_dir) / WEIGHTS_NAME))
         graph_specs = [GraphSpec(**g) for g in meta["graphs"]]
-        graphs = get_backend(neuron_config.backend).load(artifact_dir, graph_specs, weights)
+        backend = get_backend(neuron_config.backend)
+        compiler = meta["versions"]["compiler"]
+        if compiler.get("packable_weights"):
+            backend.pack_weights(weights, compiler["packable_weights"], compiler["lowering"]["packed_rows"])
+        graphs = backend.load(artifact_dir, graph_specs, weights)
         generation_config = None
         if (Path(artifact_dir) / "generation_config.json").is_file():
             generation_config = GenerationConfig.from_pretrained(artifact_dir)

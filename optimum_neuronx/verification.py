@@ -14,10 +14,19 @@ class Comparison:
     min_top2_gap: float  # smallest top-1/top-2 logit gap along the reference path (numerical headroom)
     tokens_match: bool
     new_tokens: int
+    # Half precision only: the tokens differ, but only where two correct implementations may round differently -
+    # at the first new token where each differing row leaves the reference's path, the reference's logits for
+    # its token and ours are within 2 units in the last place of its dtype.
+    near_tie: bool = False
+
+    @property
+    def verdict(self) -> str:
+        return "yes" if self.tokens_match else "near-tie" if self.near_tie else "NO"
 
     def summary(self) -> str:
+        tokens = {"yes": "match", "near-tie": "differ only at rounding-level ties", "NO": "DIFFER"}[self.verdict]
         return (f"max |logit diff| {self.max_logit_diff:.2e}, smallest top-1/top-2 gap {self.min_top2_gap:.2e}, "
-                f"greedy tokens {'match' if self.tokens_match else 'DIFFER'} over {self.new_tokens} new tokens")
+                f"greedy tokens {tokens} over {self.new_tokens} new tokens")
 
 
 def compare_generation(reference, compiled, input_ids, attention_mask=None, **kwargs) -> Comparison:
@@ -29,12 +38,30 @@ def compare_generation(reference, compiled, input_ids, attention_mask=None, **kw
     ref = torch.stack(expected.logits[:steps], 1).float()
     ours = torch.stack(actual.logits[:steps], 1).float()
     top2 = ref.topk(2, dim=-1).values
+    tokens_match = torch.equal(actual.sequences, expected.sequences)
     return Comparison(
         max_logit_diff=(ours - ref).abs().max().item(),
         min_top2_gap=(top2[..., 0] - top2[..., 1]).min().item(),
-        tokens_match=torch.equal(actual.sequences, expected.sequences),
+        tokens_match=tokens_match,
         new_tokens=actual.sequences.shape[1] - input_ids.shape[1],
+        near_tie=not tokens_match and _diverges_only_at_ties(expected, actual, input_ids.shape[1], reference.dtype),
     )
+
+
+def _diverges_only_at_ties(expected, actual, start: int, dtype: torch.dtype) -> bool:
+    if dtype not in (torch.bfloat16, torch.float16) or expected.sequences.shape != actual.sequences.shape:
+        return False
+    for row in range(expected.sequences.shape[0]):
+        differs = (actual.sequences[row, start:] != expected.sequences[row, start:]).nonzero()
+        if not len(differs):
+            continue
+        step = differs[0].item()
+        logits = expected.logits[step][row].float()
+        theirs = logits[expected.sequences[row, start + step]]
+        ours = logits[actual.sequences[row, start + step]]
+        if theirs - ours > 2 * torch.finfo(dtype).eps * theirs.abs().clamp(min=1.0):
+            return False
+    return True
 
 
 def reference_from_artifact(artifact_dir: str | Path):

@@ -121,16 +121,17 @@ def test_projection_as_reduction_matches_linear(rows, dtype):
     x = torch.randn(rows, 1, 48, generator=generator).to(dtype)
     weight = torch.randn(80, 48, generator=generator).to(dtype)
     bias = torch.randn(80, generator=generator).to(dtype)
-    backend = get_backend("inductor")
-    matvec_rows, gemm_dtype = backend.matvec_rows(dtype), backend.gemm_dtype(dtype)
-    assert matvec_rows == 4
+    lowering = get_backend("inductor").lowering(dtype, batch_size=1)
+    assert lowering.matvec_rows == 4 and not lowering.packed_rows
     expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
-    out = project(x, weight, bias, matvec_rows, gemm_dtype)
+    out = project(x, weight, bias, lowering)
     assert out.shape == (rows, 1, 80) and out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, **tolerance)
+    if rows > lowering.matvec_rows:
+        return  # oneDNN's linear; Inductor lowers it only with the weight a graph constant (exports: parity tests)
     with torch.no_grad():
-        compiled = torch.compile(project, fullgraph=True)(x, weight, bias, matvec_rows, gemm_dtype)
+        compiled = torch.compile(project, fullgraph=True)(x, weight, bias, lowering)
     assert compiled.dtype == dtype
     torch.testing.assert_close(compiled.float(), expected, **tolerance)
 
@@ -151,8 +152,53 @@ def test_half_precision_gemm_upcasts_only_without_native_support(monkeypatch, na
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(9, 48, generator=generator).bfloat16()
     weight = torch.randn(80, 48, generator=generator).bfloat16()
-    out = project(x, weight, None, backend.matvec_rows(torch.bfloat16), backend.gemm_dtype(torch.bfloat16))
+    lowering = backend.lowering(torch.bfloat16, batch_size=1)
+    assert lowering.onednn == native  # without native dot products, no oneDNN bf16 either
+    out = project(x, weight, None, lowering)
     assert out.dtype == torch.bfloat16
     reference = torch.nn.functional.linear(x.float(), weight.float()).bfloat16() if not native else \
         torch.nn.functional.linear(x, weight)
     torch.testing.assert_close(out, reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_projection_with_packed_weight_matches_linear(rows, dtype):
+    # Exports with batch > 1 run every layer projection through oneDNN with the weight reordered at load
+    # (packed): whatever the row count, the result is F.linear's. (Compiled: the exported parity tests.)
+    from optimum_neuronx.backends import get_backend
+    from optimum_neuronx.modeling.decoder import project
+
+    backend = get_backend("inductor")
+    lowering = backend.lowering(dtype, batch_size=4).for_layers()
+    if not lowering.packed_rows:
+        pytest.skip(f"this CPU has no native {dtype} dot products: no oneDNN path")
+    assert lowering.onednn and lowering.matvec_rows == 0
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1, 48, generator=generator).to(dtype)
+    weight = torch.randn(80, 48, generator=generator).to(dtype)
+    bias = torch.randn(80, generator=generator).to(dtype)
+    weights = {"w": weight}
+    backend.pack_weights(weights, ["w"], lowering.packed_rows)
+    assert weights["w"].is_mkldnn
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
+    for weight_given in (weight, weights["w"]):
+        out = project(x, weight_given, bias, lowering)
+        assert out.shape == (rows, 1, 80) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+def test_batched_export_runs_on_packed_weights(compiled_model):
+    # The shared fixtures (batch 3) must exercise the packed path, or the parity tests above would not cover it.
+    import json
+
+    model = compiled_model("llama")
+    stamp = json.loads((model.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
+    if not stamp["lowering"]["packed_rows"]:
+        pytest.skip("no oneDNN path on this CPU")
+    assert stamp["lowering"]["packed_rows"] == model.neuron_config.batch_size
+    names = stamp["packable_weights"]
+    assert any(name.endswith("gate_up_proj.weight") for name in names) and "embed_tokens.weight" not in names
+    assert all(model._weights[name].is_mkldnn for name in names)
+    assert not model._weights["embed_tokens.weight"].is_mkldnn

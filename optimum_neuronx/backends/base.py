@@ -9,6 +9,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from ..modeling.decoder import Lowering
+
 
 @dataclass(frozen=True)
 class GraphSpec:
@@ -32,9 +34,13 @@ class Backend(ABC):
     # True when graphs run on NeuronCores, whose per-core memory bounds the model (see memory.py).
     targets_neuron_cores: bool = False
 
-    def matvec_rows(self, dtype: torch.dtype) -> int:
-        """Largest row count whose projections the decoder writes as a reduction (see modeling/decoder.py)."""
-        return 0
+    def lowering(self, dtype: torch.dtype, batch_size: int) -> Lowering:
+        """How the decoder computes its projections for weights of `dtype` (see modeling/decoder.py)."""
+        return Lowering(gemm_dtype=self.gemm_dtype(dtype))
+
+    def pack_weights(self, weights: dict[str, torch.Tensor], names: Sequence[str], rows: int) -> None:
+        """Reorder `weights[name]` in place for the kernels that read them (`Lowering.packed_rows`)."""
+        raise NotImplementedError(f"The {self.name} backend does not pack weights.")
 
     def gemm_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Dtype the decoder's matrix multiplications (F.linear) compute in for weights of `dtype`."""

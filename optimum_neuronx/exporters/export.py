@@ -90,8 +90,7 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     start = time.perf_counter()
     hf_model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32, **hf_kwargs)
     with torch.device("meta"):
-        decoder = StaticDecoder(spec, matvec_rows=backend.matvec_rows(neuron_config.torch_dtype),
-                                gemm_dtype=backend.gemm_dtype(neuron_config.torch_dtype))
+        decoder = StaticDecoder(spec, backend.lowering(neuron_config.torch_dtype, neuron_config.batch_size))
     weights = export_config.convert_weights(hf_model.state_dict(), decoder.parameter_names(),
                                             neuron_config.torch_dtype)
     decoder.load_state_dict(weights, strict=False, assign=True)
@@ -119,7 +118,9 @@ class _Prepared:
     start: float
 
     def backend_stamp(self) -> dict:
-        return {"version": self.backend.compiler_version(), "target": self.backend.target()}
+        lowering = self.decoder.lowering
+        return {"version": self.backend.compiler_version(), "target": self.backend.target(),
+                "lowering": lowering.describe(), "packable_weights": self.decoder.packable_weight_names()}
 
     def cache_key(self) -> CacheKey:
         versions = {"optimum_neuronx": __version__, "torch": torch.__version__, "compiler": self.backend_stamp()}

@@ -15,15 +15,15 @@ identical, so the compiler emits them once: compile time no longer grows with th
 Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal). Only the hidden
 state at `last_index` goes through the final norm and the LM head.
 
-Projections over a handful of rows (decode) can be written as multiply + sum instead of a matmul
-(`matvec_rows`, chosen by the backend): Inductor fuses that into one streaming reduction over the weight
-with one accumulator per row, which on CPUs reads the weights faster than the BLAS GEMV/GEMM does
-(docs/performance.md).
+How projections are computed is the backend's choice (`Lowering`): over a handful of rows (decode) as
+multiply + sum, which Inductor fuses into one streaming reduction over the weight with one accumulator per
+row; otherwise F.linear, or oneDNN's linear, whose weights the runtime may reorder at load into oneDNN's
+blocked layout (`packed_rows`) - faster at a few rows than both (docs/performance.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -61,23 +61,53 @@ class DecoderSpec:
         return (2, batch_size, self.num_kv_heads, sequence_length, self.head_dim)
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, matvec_rows: int,
-            gemm_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; as one multiply + sum per row when x has at most `matvec_rows` rows.
+@dataclass(frozen=True)
+class Lowering:
+    """How the decoder's projections are computed; chosen by the backend for each export.
 
-    Matrix multiplications compute in `gemm_dtype` (default: x's dtype) and round back to x's dtype.
+    matvec_rows: projections over at most this many rows are one multiply + sum per row (`project`).
+    gemm_dtype: dtype the other projections compute in (None: the input's).
+    onednn: the other projections go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`).
+    packed_rows: when > 0 (with onednn), the projection weights (layers, untied LM head) may be reordered at
+        load into oneDNN's blocked layout for this many rows; the graphs then never read them as plain tensors.
+    """
 
-    The per-row reductions share their loop over the weight, so the compiled kernel reads each weight
-    row once and keeps one accumulator per input row; results are stacked row-major. (A single
-    [out, rows, in] product instead leaves its result column-major, and the layout then spreads to the
-    residual stream and turns the next reductions into strided ones: 30x slower at 4 rows.)
+    matvec_rows: int = 0
+    gemm_dtype: torch.dtype | None = None
+    onednn: bool = False
+    packed_rows: int = 0
+
+    def for_layers(self) -> "Lowering":
+        # Packed weights are opaque to the multiply + sum: every layer projection goes through oneDNN.
+        return replace(self, matvec_rows=0) if self.packed_rows else self
+
+    def for_lm_head(self, tied: bool) -> "Lowering":
+        # A tied LM head is the embedding table, which the embedding lookup reads plainly: never packed.
+        return replace(self, packed_rows=0) if tied else self.for_layers()
+
+    def describe(self) -> dict:
+        return {"matvec_rows": self.matvec_rows, "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."),
+                "onednn": self.onednn, "packed_rows": self.packed_rows}
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lowering: Lowering) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, computed as `lowering` says.
+
+    With at most `matvec_rows` rows: one multiply + sum per row. The per-row reductions share their loop over
+    the weight, so the compiled kernel reads each weight row once and keeps one accumulator per input row;
+    results are stacked row-major. (A single [out, rows, in] product instead leaves its result column-major,
+    and the layout then spreads to the residual stream and turns the next reductions into strided ones: 30x
+    slower at 4 rows.) Matrix multiplications compute in `gemm_dtype` and round back to x's dtype.
     """
     rows = x.numel() // x.shape[-1]
-    if rows > matvec_rows:
-        if gemm_dtype is None or gemm_dtype == x.dtype:
-            return F.linear(x, weight, bias)
-        cast = [t if t is None else t.to(gemm_dtype) for t in (x, weight, bias)]
-        return F.linear(*cast).to(x.dtype)
+    if rows > lowering.matvec_rows:
+        gemm_dtype = lowering.gemm_dtype or x.dtype
+        if gemm_dtype != x.dtype:
+            cast = [t if t is None else t.to(gemm_dtype) for t in (x, weight, bias)]
+            return F.linear(*cast).to(x.dtype)
+        if lowering.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
     flat = _materialized(x.reshape(rows, x.shape[-1]))
     out = torch.stack([(weight * row).sum(-1) for row in flat.unbind(0)])
     if bias is not None:
@@ -101,16 +131,14 @@ def _materialized(x: torch.Tensor) -> torch.Tensor:
 
 
 class Projection(nn.Linear):
-    """nn.Linear (same parameter names) whose few-row matmuls may go through `project`'s reduction."""
+    """nn.Linear (same parameter names) computed by `project` as `lowering` says."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, matvec_rows: int,
-                 gemm_dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, lowering: Lowering):
         super().__init__(in_features, out_features, bias=bias)
-        self.matvec_rows = matvec_rows
-        self.gemm_dtype = gemm_dtype
+        self.lowering = lowering
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.matvec_rows, self.gemm_dtype)
+        return project(x, self.weight, self.bias, self.lowering)
 
 
 class RMSNorm(nn.Module):
@@ -132,11 +160,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, matvec_rows: int = 0, gemm_dtype: torch.dtype | None = None):
+    def __init__(self, spec: DecoderSpec, lowering: Lowering):
         super().__init__()
         self.spec = spec
         s = spec
-        lowering = dict(matvec_rows=matvec_rows, gemm_dtype=gemm_dtype)
+        lowering = dict(lowering=lowering)
         self.input_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.qkv_proj = Projection(s.hidden_size, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.qkv_bias,
                                    **lowering)
@@ -192,13 +220,12 @@ class DecoderLayer(nn.Module):
 
 
 class StaticDecoder(nn.Module):
-    def __init__(self, spec: DecoderSpec, matvec_rows: int = 0, gemm_dtype: torch.dtype | None = None):
+    def __init__(self, spec: DecoderSpec, lowering: Lowering = Lowering()):
         super().__init__()
         self.spec = spec
-        self.matvec_rows = matvec_rows
-        self.gemm_dtype = gemm_dtype
+        self.lowering = lowering
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, matvec_rows, gemm_dtype) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, lowering.for_layers()) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -208,6 +235,14 @@ class StaticDecoder(nn.Module):
     def parameter_names(self) -> list[str]:
         """Names filled from the checkpoint (the RoPE buffer is derived from the config)."""
         return [name for name, _ in self.named_parameters()]
+
+    def packable_weight_names(self) -> list[str]:
+        """Weights read only by oneDNN's linear, which the runtime may reorder for it (`Lowering.packed_rows`)."""
+        if not self.lowering.packed_rows:
+            return []
+        names = [f"layers.{i}.{name}.weight" for i, layer in enumerate(self.layers)
+                 for name, module in layer.named_children() if isinstance(module, Projection)]
+        return names if self.spec.tie_word_embeddings else names + ["lm_head.weight"]
 
     def forward(self, input_ids, position_ids, cache_start, key_valid, last_index, kv_caches):
         B, T = input_ids.shape
@@ -232,4 +267,4 @@ class StaticDecoder(nn.Module):
         h = h[torch.arange(B, device=h.device), last_index]  # [B, hidden]
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        return project(h, weight, None, self.matvec_rows, self.gemm_dtype).float()
+        return project(h, weight, None, self.lowering.for_lm_head(self.spec.tie_word_embeddings)).float()
