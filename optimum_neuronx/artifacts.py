@@ -124,6 +124,27 @@ def read_artifact(directory: str | Path) -> tuple[NeuronConfig, dict]:
     return neuron_config, meta
 
 
+def load_weights(directory: str | Path, meta: dict) -> dict[str, torch.Tensor]:
+    """The export's weights, those its stamp lists as packable reordered by its backend.
+
+    Plain weights stay memory-mapped. Each packable one is mapped on its own and unmapped once packed, so the
+    load never holds a plain and a packed copy of every weight at once.
+    """
+    from safetensors import safe_open
+
+    path = str(Path(directory) / WEIGHTS_NAME)
+    compiler = meta["versions"]["compiler"]
+    packable = set(compiler.get("packable_weights", ()))
+    with safe_open(path, framework="pt") as f:
+        weights = {name: f.get_tensor(name) for name in f.keys() if name not in packable}
+    if packable:
+        backend, rows = get_backend(meta["neuron_config"]["backend"]), compiler["lowering"]["packed_rows"]
+        for name in sorted(packable):
+            with safe_open(path, framework="pt") as f:
+                weights[name] = backend.pack_weight(f.get_tensor(name), rows)
+    return weights
+
+
 @contextlib.contextmanager
 def atomic_directory(target: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling of `target`; move its files into `target` only if the block succeeds.

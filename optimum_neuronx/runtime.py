@@ -20,7 +20,7 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .artifacts import WEIGHTS_NAME, ArtifactError, atomic_directory, copy_artifact_files, read_artifact
+from .artifacts import ArtifactError, atomic_directory, copy_artifact_files, load_weights, read_artifact
 from .backends import GraphSpec, get_backend
 from .buckets import context_bucket, token_bucket
 from .configuration import NeuronConfig
@@ -132,18 +132,12 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _from_artifact(cls, artifact_dir: Path, tmpdir=None, compiled: bool = False) -> "NeuronModelForCausalLM":
-        from safetensors.torch import load_file
-
         start = time.perf_counter()
         neuron_config, meta = read_artifact(artifact_dir)
         config = AutoConfig.from_pretrained(artifact_dir)
-        weights = load_file(str(Path(artifact_dir) / WEIGHTS_NAME))
+        weights = load_weights(artifact_dir, meta)
         graph_specs = [GraphSpec(**g) for g in meta["graphs"]]
-        backend = get_backend(neuron_config.backend)
-        compiler = meta["versions"]["compiler"]
-        if compiler.get("packable_weights"):
-            backend.pack_weights(weights, compiler["packable_weights"], compiler["lowering"]["packed_rows"])
-        graphs = backend.load(artifact_dir, graph_specs, weights)
+        graphs = get_backend(neuron_config.backend).load(artifact_dir, graph_specs, weights)
         generation_config = None
         if (Path(artifact_dir) / "generation_config.json").is_file():
             generation_config = GenerationConfig.from_pretrained(artifact_dir)

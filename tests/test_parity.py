@@ -178,12 +178,11 @@ def test_projection_with_packed_weight_matches_linear(rows, dtype):
     x = torch.randn(rows, 1, 48, generator=generator).to(dtype)
     weight = torch.randn(80, 48, generator=generator).to(dtype)
     bias = torch.randn(80, generator=generator).to(dtype)
-    weights = {"w": weight}
-    backend.pack_weights(weights, ["w"], lowering.packed_rows)
-    assert weights["w"].is_mkldnn
+    packed = backend.pack_weight(weight, lowering.packed_rows)
+    assert packed.is_mkldnn
     expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
-    for weight_given in (weight, weights["w"]):
+    for weight_given in (weight, packed):
         out = project(x, weight_given, bias, lowering)
         assert out.shape == (rows, 1, 80) and out.dtype == dtype
         torch.testing.assert_close(out.float(), expected, **tolerance)

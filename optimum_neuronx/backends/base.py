@@ -38,8 +38,8 @@ class Backend(ABC):
         """How the decoder computes its projections for weights of `dtype` (see modeling/decoder.py)."""
         return Lowering(gemm_dtype=self.gemm_dtype(dtype))
 
-    def pack_weights(self, weights: dict[str, torch.Tensor], names: Sequence[str], rows: int) -> None:
-        """Reorder `weights[name]` in place for the kernels that read them (`Lowering.packed_rows`)."""
+    def pack_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
+        """`weight` reordered at load for the kernels that read it (`Lowering.packed_rows`)."""
         raise NotImplementedError(f"The {self.name} backend does not pack weights.")
 
     def gemm_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -68,11 +68,9 @@ class InductorBackend(Backend):
         packed_rows = batch_size if onednn and batch_size > 1 else 0
         return Lowering(matvec_rows=4, gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows)
 
-    def pack_weights(self, weights: dict[str, torch.Tensor], names: Sequence[str], rows: int) -> None:
-        # oneDNN's blocked layout depends on this CPU and this torch build: reordered here, at load, never
-        # saved. The plain tensor is released as soon as its packed copy exists (peak: one extra weight).
-        for name in names:
-            weights[name] = torch.ops.mkldnn._reorder_linear_weight(weights[name], rows)
+    def pack_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
+        # oneDNN's blocked layout depends on this CPU and this torch build: reordered at load, never saved.
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
     def gemm_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # Without native bf16/fp16 dot products (avx512_bf16, AMX) the BLAS emulates half-precision GEMMs 8x
