@@ -201,3 +201,32 @@ def test_batched_export_runs_on_packed_weights(compiled_model):
     assert any(name.endswith("gate_up_proj.weight") for name in names) and "embed_tokens.weight" not in names
     assert all(model._weights[name].is_mkldnn for name in names)
     assert not model._weights["embed_tokens.weight"].is_mkldnn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduced_attention_matches_sdpa(dtype):
+    # Token-generation graphs compute attention as multiply + sum reductions (Lowering.attention_tokens): it
+    # must equal SDPA over the same cache and mask, with padding, GQA row folding and a row that sees nothing
+    # (a padding row: finite minimum mask, no NaN), eager and compiled.
+    from optimum_neuronx.backends import get_backend
+    from optimum_neuronx.modeling.decoder import reduced_attention
+
+    assert get_backend("inductor").lowering(dtype, batch_size=1).attention_tokens == 1
+    generator = torch.Generator().manual_seed(0)
+    batch, kv_heads, rows, window, head_dim = 3, 2, 4, 24, 16
+    q = torch.randn(batch, kv_heads, rows, head_dim, generator=generator).to(dtype)
+    keys, values = (torch.randn(batch, kv_heads, window, head_dim, generator=generator).to(dtype) for _ in range(2))
+    allowed = torch.ones(batch, 1, rows, window, dtype=torch.bool)
+    allowed[0, ..., :7] = False  # left padding
+    allowed[1, ..., 20:] = False  # slots not written yet
+    allowed[2] = False  # nothing to attend to
+    mask = torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), keys.float(), values.float(),
+                                                                attn_mask=mask.float(), scale=0.25)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        outputs = (reduced_attention(q, keys, values, mask, 0.25),
+                   torch.compile(reduced_attention, fullgraph=True)(q, keys, values, mask, 0.25))
+    for out in outputs:
+        assert out.dtype == dtype and not out.isnan().any()
+        torch.testing.assert_close(out.float(), expected, **tolerance)

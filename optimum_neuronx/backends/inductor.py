@@ -56,17 +56,19 @@ class InductorBackend(Backend):
             )
 
     def lowering(self, dtype: torch.dtype, batch_size: int) -> Lowering:
-        # Measured (docs/performance.md). One row: Inductor's fused multiply + sum streams the weights faster
-        # than BLAS or oneDNN. Prefill: oneDNN's GEMM is 2-3x faster than the float32 BLAS GEMM on AMD EPYC.
-        # Several rows: oneDNN on weights reordered once at load reads them 1.5-3x faster than the multiply +
-        # sum (and than BLAS). Half precision uses oneDNN only where the CPU has native bf16/fp16 dot products
-        # (see gemm_dtype); elsewhere the multiply + sum up to 4 rows, and above that the float32 GEMM.
+        # Measured (docs/performance.md). One row: Inductor's fused multiply + sum streams the layer weights
+        # faster than BLAS or oneDNN. Prefill: oneDNN's GEMM is 2-3x faster than the float32 BLAS GEMM on AMD
+        # EPYC. Several rows: oneDNN on weights reordered once at load reads them 1.5-3x faster than the
+        # multiply + sum (and than BLAS). Half precision uses oneDNN only where the CPU has native bf16/fp16
+        # dot products (see gemm_dtype); elsewhere the multiply + sum up to 4 rows, and above that the float32
+        # GEMM. Decode attention: fused reductions, 2x faster than the CPU flash-attention kernel.
         if not dtype.is_floating_point:
             return Lowering(gemm_dtype=self.gemm_dtype(dtype))
         gemm_dtype = self.gemm_dtype(dtype)
         onednn = gemm_dtype == dtype and torch.backends.mkldnn.is_available()
         packed_rows = batch_size if onednn and batch_size > 1 else 0
-        return Lowering(matvec_rows=4, gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows)
+        return Lowering(matvec_rows=4, gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows,
+                        attention_tokens=1)
 
     def pack_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
         # oneDNN's blocked layout depends on this CPU and this torch build: reordered at load, never saved.

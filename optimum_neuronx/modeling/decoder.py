@@ -15,10 +15,10 @@ identical, so the compiler emits them once: compile time no longer grows with th
 Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal). Only the hidden
 state at `last_index` goes through the final norm and the LM head.
 
-How projections are computed is the backend's choice (`Lowering`): over a handful of rows (decode) as
-multiply + sum, which Inductor fuses into one streaming reduction over the weight with one accumulator per
-row; otherwise F.linear, or oneDNN's linear, whose weights the runtime may reorder at load into oneDNN's
-blocked layout (`packed_rows`) - faster at a few rows than both (docs/performance.md).
+How projections and decode attention are computed is the backend's choice (`Lowering`): projections over a
+handful of rows (decode) as multiply + sum, which Inductor fuses into one streaming reduction over the weight
+with one accumulator per row; otherwise F.linear, or oneDNN's linear, whose weights the runtime may reorder
+at load into oneDNN's blocked layout (`packed_rows`) - faster at a few rows than both (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -63,31 +63,35 @@ class DecoderSpec:
 
 @dataclass(frozen=True)
 class Lowering:
-    """How the decoder's projections are computed; chosen by the backend for each export.
+    """How the decoder's projections and decode attention are computed; chosen by the backend for each export.
 
     matvec_rows: projections over at most this many rows are one multiply + sum per row (`project`).
     gemm_dtype: dtype the other projections compute in (None: the input's).
     onednn: the other projections go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`).
     packed_rows: when > 0 (with onednn), the projection weights (layers, untied LM head) may be reordered at
         load into oneDNN's blocked layout for this many rows; the graphs then never read them as plain tensors.
+    attention_tokens: attention for at most this many new tokens per sequence (decode) is multiply + sum
+        reductions over the cache, which Inductor fuses (`reduced_attention`); longer queries use SDPA.
     """
 
     matvec_rows: int = 0
     gemm_dtype: torch.dtype | None = None
     onednn: bool = False
     packed_rows: int = 0
+    attention_tokens: int = 0
 
     def for_layers(self) -> "Lowering":
         # Packed weights are opaque to the multiply + sum: every layer projection goes through oneDNN.
         return replace(self, matvec_rows=0) if self.packed_rows else self
 
     def for_lm_head(self, tied: bool) -> "Lowering":
-        # A tied LM head is the embedding table, which the embedding lookup reads plainly: never packed.
+        # A tied LM head is the embedding table, which the embedding lookup reads plainly: never packed. (A
+        # packed copy of its own measured no faster: SmolLM2, batch 4.)
         return replace(self, packed_rows=0) if tied else self.for_layers()
 
     def describe(self) -> dict:
         return {"matvec_rows": self.matvec_rows, "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."),
-                "onednn": self.onednn, "packed_rows": self.packed_rows}
+                "onednn": self.onednn, "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens}
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lowering: Lowering) -> torch.Tensor:
@@ -106,13 +110,30 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
             cast = [t if t is None else t.to(gemm_dtype) for t in (x, weight, bias)]
             return F.linear(*cast).to(x.dtype)
         if lowering.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            # Rows flattened, the result viewed back: the view keeps Inductor from fusing a following residual
+            # add into oneDNN's binary linear, which costs ~12 us more per call (docs/performance.md).
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [], "")
+            return out.view(*x.shape[:-1], out.shape[-1])
         return F.linear(x, weight, bias)
     flat = _materialized(x.reshape(rows, x.shape[-1]))
     out = torch.stack([(weight * row).sum(-1) for row in flat.unbind(0)])
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def reduced_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` for a few query rows (q [B, H, R, D]), as float32 multiply + sum.
+
+    Inductor fuses each product with its reduction and the softmax into a few loops over the cache; the CPU
+    flash-attention kernel, tiled for long queries, costs up to 2x more at decode (docs/performance.md). The
+    query (after RoPE) and the mask are stored first, or Inductor recomputes them inside those loops.
+    """
+    query, mask = _materialized(q.float()), _materialized(mask.float())
+    scores = (query[:, :, :, None, :] * keys.float()[:, :, None, :, :]).sum(-1) * scale + mask
+    probs = scores.softmax(-1)
+    return (probs[..., None] * values.float()[:, :, None, :, :]).sum(-2).to(q.dtype)
 
 
 def _materialized(x: torch.Tensor) -> torch.Tensor:
@@ -164,6 +185,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.spec = spec
         s = spec
+        self.attention_tokens = lowering.attention_tokens
         lowering = dict(lowering=lowering)
         self.input_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.qkv_proj = Projection(s.hidden_size, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.qkv_bias,
@@ -209,9 +231,11 @@ class DecoderLayer(nn.Module):
 
         # GQA without repeating K/V: fold the query heads of one KV group into the query axis.
         q = q.transpose(1, 2).reshape(B, s.num_kv_heads, n_rep * T, s.head_dim)
-        attn = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask.repeat(1, 1, n_rep, 1), scale=s.head_dim**-0.5
-        )
+        mask = mask.repeat(1, 1, n_rep, 1)
+        if T <= self.attention_tokens:
+            attn = reduced_attention(q, keys, values, mask, s.head_dim**-0.5)
+        else:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=s.head_dim**-0.5)
         attn = attn.view(B, s.num_kv_heads, n_rep, T, s.head_dim).permute(0, 3, 1, 2, 4)
         h = h + self.o_proj(attn.reshape(B, T, s.num_heads * s.head_dim))
 
