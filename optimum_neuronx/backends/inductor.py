@@ -61,7 +61,7 @@ class InductorBackend(Backend):
         # EPYC. Several rows: oneDNN on weights reordered once at load reads them 1.5-3x faster than the
         # multiply + sum (and than BLAS). Half precision uses oneDNN only where the CPU has native bf16/fp16
         # dot products (see gemm_dtype); elsewhere the multiply + sum up to 4 rows, and above that the float32
-        # GEMM. Decode attention: fused reductions, 2x faster than the CPU flash-attention kernel.
+        # GEMM. Decode attention: fused reductions, up to 2x faster than the CPU flash-attention kernel.
         if not dtype.is_floating_point:
             return Lowering(gemm_dtype=self.gemm_dtype(dtype))
         gemm_dtype = self.gemm_dtype(dtype)
