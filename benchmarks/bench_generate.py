@@ -10,14 +10,17 @@ batch size; per batch size, decode tokens/s on the shortest prompt ((N - 1) new 
 time a generation of N takes beyond the first token, all rows counted), median of --repeats runs after a
 warm-up. Our model is exported once per batch size (static shapes); compile time per graph, reload time,
 and greedy tokens checked against eager for each export. Roofline: a BLAS matrix-vector product, a plain
-copy and a compiled multiply + sum over a 1 GiB matrix per dtype (best of 5 each) give the bandwidth decode
-can use; bound = the fastest / bytes read per decode step (streamed weights + KV cache in use). Writes results.json, results.md and results.png
-to --output-dir.
+copy and a compiled multiply + sum over a 1 GiB matrix of the job's dtype give the bandwidth decode can use;
+the parent process samples them before and after every timed decode repeat (the job waits meanwhile), so a
+bound and the rate it bounds come from the same minutes. Bound = the median over those samples of the fastest
+probe / bytes read per decode step (streamed weights + KV cache in use). Writes results.json, results.md and
+results.png to --output-dir.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -28,12 +31,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
+from optimum_neuronx.configuration import TORCH_DTYPES
+
 SYSTEMS = ("transformers eager", "transformers static+compile", "optimum-neuronx (inductor)")
+# A job prints this line (and the batch size) and waits for one line on stdin while its parent samples the
+# memory bandwidth: the bound is measured around the very repeats it bounds, by a process that is not timed.
+PROBE_REQUEST = "@@bandwidth-probe"
 TINYLLAMA_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
 
@@ -60,23 +69,46 @@ def prompt_inputs(checkpoint: Path, batch_size: int, prompt_tokens: int, vocab_s
 
 
 # -- one system, in its own process ----------------------------------------------------------------------
-def _timed(model, inputs, new_tokens: int, **extra) -> float:
+def _seconds(fn) -> float:
     start = time.perf_counter()
-    model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **extra)
+    fn()
     return time.perf_counter() - start
 
 
-def measure(model, inputs: dict, new_tokens: int, repeats: int, **extra) -> dict:
-    """`inputs`: prompt length -> inputs; decode is timed on the shortest prompt, TTFT on each."""
+def _timed(model, inputs, new_tokens: int, **extra) -> float:
+    """Seconds for a generation of exactly `new_tokens` per row. eos_token_id=None instead of min_new_tokens:
+    the min-length logits processor runs `isin` over the whole vocabulary every step (~0.9 ms at SmolLM2's 49k
+    tokens, every system alike), a cost a user's generate does not pay."""
+    prompt_tokens = inputs["input_ids"].shape[1]
+    start = time.perf_counter()
+    output = model.generate(**inputs, max_new_tokens=new_tokens, eos_token_id=None, do_sample=False, **extra)
+    seconds = time.perf_counter() - start
+    if output.shape[1] != prompt_tokens + new_tokens:
+        raise RuntimeError(f"generated {output.shape[1] - prompt_tokens} tokens per row, asked for {new_tokens}")
+    return seconds
+
+
+def request_probe(batch_size: int) -> None:
+    print(PROBE_REQUEST, batch_size, flush=True)
+    sys.stdin.readline()
+
+
+def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: None, **extra) -> dict:
+    """`inputs`: prompt length -> inputs; decode is timed on the shortest prompt, TTFT on each. `probe()` runs
+    before and after every timed decode repeat."""
     shortest = inputs[min(inputs)]
     _timed(model, shortest, new_tokens, **extra)  # warm-up (and, for torch.compile, compilation)
     ttft = {}
     for length, prompt in inputs.items():
         _timed(model, prompt, 1, **extra)
         ttft[length] = statistics.median(_timed(model, prompt, 1, **extra) for _ in range(repeats))
-    total = statistics.median(_timed(model, shortest, new_tokens, **extra) for _ in range(repeats))
+    probe()
+    totals = []
+    for _ in range(repeats):
+        totals.append(_timed(model, shortest, new_tokens, **extra))
+        probe()
     rows = shortest["input_ids"].shape[0]
-    return {"ttft_s": ttft, "decode_tok_s": rows * (new_tokens - 1) / (total - ttft[min(inputs)])}
+    return {"ttft_s": ttft, "decode_tok_s": rows * (new_tokens - 1) / (statistics.median(totals) - ttft[min(inputs)])}
 
 
 def export_for_batch(job: dict, batch_size: int, prompts: list[int]) -> Path:
@@ -102,7 +134,6 @@ def greedy_matches_eager(model, job: dict, batch_size: int) -> str:
     ties, see optimum_neuronx.verification.Comparison)."""
     from transformers import AutoModelForCausalLM
 
-    from optimum_neuronx.configuration import TORCH_DTYPES
     from optimum_neuronx.verification import compare_generation
 
     checkpoint, dtype = Path(job["checkpoint"]), TORCH_DTYPES[job["dtype"]]
@@ -115,7 +146,6 @@ def run_system(job: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from optimum_neuronx import NeuronModelForCausalLM
-    from optimum_neuronx.configuration import TORCH_DTYPES
 
     torch.set_num_threads(job["threads"])
     checkpoint, dtype, system = Path(job["checkpoint"]), job["dtype"], job["system"]
@@ -141,13 +171,17 @@ def run_system(job: dict) -> dict:
         try:
             if system == "optimum-neuronx (inductor)":
                 export_dir = export_for_batch(job, batch_size, timed_prompts)
+                # Free the previous batch size's model (reference cycles) first: on this kind of VM, growing into
+                # GBs of fresh memory costs seconds that a process loading its one model does not pay.
+                gc.collect()
                 start = time.perf_counter()
                 model = NeuronModelForCausalLM.from_pretrained(export_dir)
                 result["reload_s"] = time.perf_counter() - start
                 result["compile_s_per_graph"] = json.loads(
                     (export_dir / "neuron_config.json").read_text())["compile_time_s"]
             inputs = {n: prompt_inputs(checkpoint, batch_size, n, model.config.vocab_size) for n in timed_prompts}
-            result.update(measure(model, inputs, job["new_tokens"], job["repeats"], **extra))
+            probe = (lambda: request_probe(batch_size)) if job.get("probe") else (lambda: None)
+            result.update(measure(model, inputs, job["new_tokens"], job["repeats"], probe, **extra))
             result["peak_rss_gib"] = peak_rss_gib()  # before the check below loads a reference model
             if system == "optimum-neuronx (inductor)":
                 result["greedy_tokens_match"] = greedy_matches_eager(model, job, batch_size)
@@ -168,23 +202,46 @@ def reset_peak_rss() -> None:
 
 def peak_rss_gib() -> float:
     """This process's own high-water RSS. Not getrusage's ru_maxrss: Linux carries that across fork + exec, so
-    every job would report at least the parent's RSS at spawn time (the roofline's 2 GiB of matrices)."""
+    every job would report at least the parent's RSS at spawn time (the bandwidth probe's 2 GiB of matrices)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def run_job(job: dict, timeout: float) -> dict:
-    """One system in a subprocess; a crash or a timeout is recorded as that system's result, not raised."""
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--job", json.dumps(job)], capture_output=True, text=True,
-                              timeout=timeout, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s (--job-timeout)"}
-    if proc.returncode != 0:
-        return {"error": f"{failure_line(proc.stderr)} (exit {proc.returncode})"[:240]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def run_job(job: dict, timeout: float, probe=None) -> dict:
+    """One system in a subprocess; a crash or a timeout is recorded as that system's result, not raised.
+    `probe()` answers the job's bandwidth requests; its samples land in each batch's result as "bandwidth"."""
+    samples: dict[str, list] = {}
+    with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: a chatty job can't fill it and block
+        proc = subprocess.Popen([sys.executable, __file__, "--job", json.dumps(dict(job, probe=probe is not None))],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        last = ""
+        try:
+            for line in proc.stdout:
+                if line.startswith(PROBE_REQUEST):
+                    samples.setdefault(line.split()[1], []).append(probe())
+                    proc.stdin.write("\n")
+                    proc.stdin.flush()
+                elif line.strip():
+                    last = line
+            proc.wait()
+        finally:
+            timed_out = not timer.is_alive()
+            timer.cancel()
+        if timed_out:
+            return {"error": f"timed out after {timeout:.0f} s (--job-timeout)"}
+        if proc.returncode != 0:
+            stderr.seek(0)
+            return {"error": f"{failure_line(stderr.read())} (exit {proc.returncode})"[:240]}
+    result = json.loads(last)
+    for batch_size, numbers in result.get("batches", {}).items():
+        if batch_size in samples and "error" not in numbers:
+            numbers["bandwidth"] = bandwidth_summary(samples[batch_size])
+    return result
 
 
 def failure_line(stderr: str) -> str:
@@ -195,33 +252,37 @@ def failure_line(stderr: str) -> str:
 
 
 # -- roofline ---------------------------------------------------------------------------------------------
-def bandwidth(dtype: torch.dtype, megabytes: int = 1024, repeats: int = 5) -> dict:
+class BandwidthProbe:
     """GB/s over a matrix far beyond caches: a BLAS matrix-vector product, a plain copy, and the compiled
-    multiply + sum our decode graphs use. Each is its best of `repeats` (a neighbour on a shared host only
-    ever slows a run down)."""
-    cols = 4096
-    rows = megabytes * 2**20 // (cols * dtype.itemsize)
-    weight = torch.randn(rows, cols).to(dtype)
-    x = torch.randn(1, cols).to(dtype)
-    nbytes = weight.numel() * dtype.itemsize
+    multiply + sum our decode graphs use; each `sample()` is the best of `repeats` runs of each (a neighbour on a
+    shared host only ever slows a run down)."""
 
-    def best_gb_s(fn, traffic: int) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
+    def __init__(self, dtype: torch.dtype, megabytes: int = 1024):
+        cols = 4096
+        self.weight = torch.randn(megabytes * 2**20 // (cols * dtype.itemsize), cols).to(dtype)
+        self.x = torch.randn(1, cols).to(dtype)
+        self.dst = torch.empty_like(self.weight)
+        self.reduction = torch.compile(lambda w, v: (w * v).sum(-1))
+
+    def sample(self, repeats: int = 3) -> dict:
+        nbytes = self.weight.numel() * self.weight.dtype.itemsize
+
+        def best_gb_s(fn, traffic: int) -> float:
             fn()
-            times.append(time.perf_counter() - start)
-        return traffic / min(times) / 1e9
+            return traffic / min(_seconds(fn) for _ in range(repeats)) / 1e9
 
-    dst = torch.empty_like(weight)
-    reduction = torch.compile(lambda w, v: (w * v).sum(-1))
-    result = {"gemv_gb_s": best_gb_s(lambda: torch.nn.functional.linear(x, weight), nbytes),
-              "copy_gb_s": best_gb_s(lambda: dst.copy_(weight), 2 * nbytes),
-              "reduction_gb_s": best_gb_s(lambda: reduction(weight, x), nbytes)}
-    # The bound is the fastest: a BLAS GEMV can be compute-limited (bf16 without bf16 dot products), and
-    # a bound below what a system reaches would measure the probe, not the memory.
-    return {**result, "bound_gb_s": max(result.values())}
+        return {"gemv_gb_s": best_gb_s(lambda: torch.nn.functional.linear(self.x, self.weight), nbytes),
+                "copy_gb_s": best_gb_s(lambda: self.dst.copy_(self.weight), 2 * nbytes),
+                "reduction_gb_s": best_gb_s(lambda: self.reduction(self.weight, self.x), nbytes)}
+
+
+def bandwidth_summary(samples: list[dict]) -> dict:
+    """The bound of one measurement: per sample the fastest probe (a BLAS GEMV can be compute-limited, bf16
+    without bf16 dot products, and a bound below what a system reaches would measure the probe, not the memory),
+    then the median over the samples taken around its decode repeats, with their spread."""
+    fastest = [max(sample.values()) for sample in samples]
+    return {"bound_gb_s": statistics.median(fastest), "bound_min_gb_s": min(fastest),
+            "bound_max_gb_s": max(fastest), "samples": samples}
 
 
 def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_tokens: int) -> int:
@@ -244,11 +305,12 @@ def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_
 # -- report -----------------------------------------------------------------------------------------------
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | dtype | batch | system | TTFT ms (prompt tokens) | TTFT vs eager | decode tok/s | decode vs eager "
-             "| % of bound | peak RSS (GiB) | greedy = eager |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| % of bound | bound GB/s (spread) | peak RSS (GiB) | greedy = eager |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['dtype']} | {r['batch_size']} | {r['system']} | failed: {r['error']} "
-                         f"| | | | | | |")
+                         f"| | | | | | | |")
             continue
         base = next((b for b in rows if b["system"] == SYSTEMS[0] and b["model"] == r["model"]
                      and b["dtype"] == r["dtype"] and b["batch_size"] == r["batch_size"] and "error" not in b), None)
@@ -258,8 +320,10 @@ def markdown(rows: list[dict]) -> str:
         ttft_ratio = f"{base['ttft_s'][longest] / r['ttft_s'][longest]:.2f}x ({longest})" if base else "-"
         ratio = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
         match = r.get("greedy_tokens_match", "-")
+        bw = r["bandwidth"]
         lines.append(f"| {r['model']} | {r['dtype']} | {r['batch_size']} | {r['system']} | {ttft} | {ttft_ratio} | "
                      f"{r['decode_tok_s']:.1f} | {ratio} | {100 * r['decode_tok_s'] / r['bound_tok_s']:.0f}% | "
+                     f"{bw['bound_gb_s']:.1f} ({bw['bound_min_gb_s']:.1f}-{bw['bound_max_gb_s']:.1f}) | "
                      f"{r['peak_rss_gib']:.2f} | {match} |")
     return "\n".join(lines)
 
@@ -326,12 +390,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        roofline = {dtype: bandwidth(getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]))
-                    for dtype in args.dtypes}
-        logging.info("roofline: %s", roofline)
         for model_name in args.models:
             checkpoint = model_checkpoint(model_name, work)
             for dtype in args.dtypes:
+                probe = BandwidthProbe(TORCH_DTYPES[dtype])
                 for system in args.systems:
                     job = dict(checkpoint=str(checkpoint), dtype=dtype, system=system, work=str(work),
                                batch_sizes=args.batch_sizes, prompt_tokens=args.prompt_tokens,
@@ -342,24 +404,25 @@ def main():
                     if system == "optimum-neuronx (inductor)":
                         result = run_job(dict(job, export_only=True), args.job_timeout)
                     if "error" not in result:
-                        result = run_job(job, args.job_timeout)
+                        result = run_job(job, args.job_timeout, probe.sample)
                     if "error" in result:
                         result = {"batches": {str(b): {"error": result["error"]} for b in args.batch_sizes}}
                     logging.info("  done in %.0f s", time.perf_counter() - start)
                     for batch_size, numbers in result.pop("batches").items():
-                        step_bytes = bytes_per_decode_step(checkpoint, dtype, int(batch_size),
-                                                           min(args.prompt_tokens) + args.new_tokens // 2)
-                        bound = roofline[dtype]["bound_gb_s"] * 1e9 / step_bytes * int(batch_size)
-                        rows.append(dict(model=model_name, dtype=dtype, batch_size=int(batch_size), system=system,
-                                         bound_tok_s=bound, **numbers, **result))
+                        row = dict(model=model_name, dtype=dtype, batch_size=int(batch_size), system=system,
+                                   **numbers, **result)
+                        if "bandwidth" in numbers:
+                            step_bytes = bytes_per_decode_step(checkpoint, dtype, int(batch_size),
+                                                               min(args.prompt_tokens) + args.new_tokens // 2)
+                            row["bound_tok_s"] = numbers["bandwidth"]["bound_gb_s"] * 1e9 / step_bytes * int(batch_size)
+                        rows.append(row)
+                del probe
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.json").write_text(json.dumps({"environment": env, "roofline": roofline,
-                                                              "results": rows}, indent=2))
+    (args.output_dir / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=2))
     table = markdown(rows)
     (args.output_dir / "results.md").write_text(table + "\n")
     plot(rows, args.output_dir / "results.png")
     print(json.dumps(env))
-    print("roofline (GB/s):", json.dumps(roofline))
     print(table)
     for r in rows:  # one export per (model, dtype, batch size)
         if "compile_s_per_graph" in r:
