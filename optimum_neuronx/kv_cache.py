@@ -1,4 +1,4 @@
-"""The KV cache the runtime owns, and the small handle Transformers' generate passes back to us."""
+"""The KV cache the runtime owns, the per-step graph inputs, and the handle generate passes back to us."""
 
 from __future__ import annotations
 
@@ -24,6 +24,16 @@ class StaticKVCache:
         for layer in self.kv:
             layer[:, :n] = layer[:, rows]
         self.key_valid[:n] = self.key_valid[rows]
+
+
+class DecodeStepInputs:
+    """A token graph's small inputs, allocated once and refilled in place every decode step."""
+
+    def __init__(self, batch_size: int):
+        self.ids = torch.zeros(batch_size, 1, dtype=torch.long)
+        self.positions = torch.zeros(batch_size, 1, dtype=torch.long)
+        self.slot = torch.zeros(1, dtype=torch.long)
+        self.last = torch.zeros(batch_size, dtype=torch.long)  # logits of the only (last) position
 
 
 class CacheHandle:

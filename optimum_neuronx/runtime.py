@@ -25,7 +25,7 @@ from .backends import GraphSpec, get_backend
 from .buckets import context_bucket, token_bucket
 from .configuration import NeuronConfig
 from .exporters.registry import get_export_config
-from .kv_cache import CacheHandle, StaticKVCache
+from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         self._cache = StaticKVCache(spec, neuron_config.batch_size, neuron_config.sequence_length,
                                     neuron_config.torch_dtype)
         self._handle: Optional[CacheHandle] = None
+        self._step = DecodeStepInputs(neuron_config.batch_size)
         if generation_config is not None:
             self.generation_config = generation_config
 
@@ -254,31 +255,30 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
     def _decode(self, input_ids, attention_mask) -> torch.Tensor:
         b, n = input_ids.shape
         nc = self.neuron_config
-        cache, handle = self._cache, self._handle
+        cache, handle, step = self._cache, self._handle, self._step
         out = []
         for j in range(n):  # several tokens (e.g. after a rollback) are fed one decode step each
             slot = handle.length
             window = token_bucket(slot, nc.token_buckets)
+            valid = cache.key_valid[:b, : slot + 1]
             if attention_mask is not None:
                 if attention_mask.shape[1] < slot + 1:
                     raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens but the cache holds "
                                      f"{slot} + {n} new ones.")
-                cache.key_valid[:b, : slot + 1] = attention_mask[:, : slot + 1]
-                position = attention_mask[:, : slot + 1].long().sum(-1) - 1
+                valid.copy_(attention_mask[:, : slot + 1])
             else:
-                cache.key_valid[:b, : slot + 1] = True
-                position = torch.full((b,), slot, dtype=torch.long)
-            ids = torch.zeros(nc.batch_size, 1, dtype=torch.long)
-            ids[:b, 0] = input_ids[:, j]
-            positions = torch.zeros(nc.batch_size, 1, dtype=torch.long)
-            positions[:b, 0] = position.clamp(min=0)
+                valid.fill_(True)
+            # In place into buffers the graphs read: no allocation per step. Rows past b are never read back.
+            step.ids[:b, 0] = input_ids[:, j]
+            torch.sum(valid, dim=-1, out=step.positions[:b, 0])
+            step.positions[:b].sub_(1).clamp_(min=0)
+            step.slot.fill_(slot)
             logits = self._graphs[f"token_{window}"](
-                [ids, positions, torch.tensor([slot]), cache.key_valid[:, :window].contiguous(),
-                 torch.zeros(nc.batch_size, dtype=torch.long), *cache.kv]
+                [step.ids, step.positions, step.slot, cache.key_valid[:, :window].contiguous(), step.last, *cache.kv]
             )
             handle.length = slot + 1
-            out.append(logits[:b])
-        return torch.stack(out, dim=1)
+            out.append(logits[:b, None])
+        return out[0] if n == 1 else torch.cat(out, dim=1)
 
 
 AutoConfig.register(NeuronCausalLMConfig.model_type, NeuronCausalLMConfig, exist_ok=True)
