@@ -20,7 +20,6 @@ results.png to --output-dir.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -171,9 +170,6 @@ def run_system(job: dict) -> dict:
         try:
             if system == "optimum-neuronx (inductor)":
                 export_dir = export_for_batch(job, batch_size, timed_prompts)
-                # Free the previous batch size's model (reference cycles) first: on this kind of VM, growing into
-                # GBs of fresh memory costs seconds that a process loading its one model does not pay.
-                gc.collect()
                 start = time.perf_counter()
                 model = NeuronModelForCausalLM.from_pretrained(export_dir)
                 result["reload_s"] = time.perf_counter() - start
