@@ -1,9 +1,13 @@
 """Compiled graphs vs Transformers eager, for every supported architecture."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from conftest import ARCHITECTURES
+from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
 
 # fp32: compiled and eager differ by ~1e-5; the bound leaves room for kernel reordering only.
@@ -56,8 +60,6 @@ def test_smaller_runtime_batch_is_padded(reference_model, compiled_model):
 
 @pytest.fixture(scope="module")
 def bf16_llama(tiny_checkpoint):
-    from optimum_neuronx import NeuronModelForCausalLM
-
     return NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=2,
                                                   sequence_length=32, context_buckets=[16], token_buckets=[32],
                                                   auto_cast_type="bf16")
@@ -97,8 +99,6 @@ def test_reexport_with_other_sequence_length_does_not_reuse_stale_kernels(compil
     AOTInductor's default build directory is keyed by the FX code, which does not encode shapes: without a
     fresh build directory per graph, this export silently reused the S=64 kernels and wrote a wrong cache.
     """
-    from optimum_neuronx import NeuronModelForCausalLM
-
     compiled_model("llama")  # compile the S=64 graphs first, in this process
     longer = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=3,
                                                     sequence_length=128, context_buckets=[16], token_buckets=[32, 128])
@@ -230,3 +230,15 @@ def test_reduced_attention_matches_sdpa(dtype):
     for out in outputs:
         assert out.dtype == dtype and not out.isnan().any()
         torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+def test_dropping_a_model_frees_its_weights(saved_tiny_llama):
+    # AOTInductor holds one reference to each user-managed constant that it never drops; unless the backend
+    # releases them, every model loaded stays resident after it is gone.
+    model = NeuronModelForCausalLM.from_pretrained(saved_tiny_llama)
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
+    storages = [weakref.ref(t.untyped_storage()) for t in model._weights.values() if not t.is_mkldnn]
+    assert storages and all(ref() is not None for ref in storages)
+    del model
+    gc.collect()
+    assert [ref() for ref in storages] == [None] * len(storages)

@@ -11,6 +11,7 @@ import logging
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -148,9 +149,21 @@ class InductorBackend(Backend):
                     f"model.safetensors lacks {len(missing)} weights that graph {graph.name} needs "
                     f"(e.g. {missing[:3]}); the artifact is incomplete or from another export. Re-export it."
                 )
-            runner.load_constants({name: weights[name] for name in needed}, check_full_update=True, user_managed=True)
+            # Each graph gets its own aliases of the weights (same storage, no copy). AOTInductor takes one more
+            # reference to every user-managed constant and never drops it, which would keep all the weights
+            # resident after the model is gone; emptying the aliases once the graph is collected releases them.
+            aliases = {name: weights[name].detach() for name in needed}
+            runner.load_constants(aliases, check_full_update=True, user_managed=True)
             loaded[graph.name] = _fast_call(runner)
+            weakref.finalize(loaded[graph.name], _release_aliases, list(aliases.values()))
         return loaded
+
+
+def _release_aliases(aliases: list[torch.Tensor]) -> None:
+    # Swapping in empty data (not set_(), which oneDNN-packed weights lack) drops the alias's hold on the weight.
+    for alias in aliases:
+        empty = torch.empty(0, dtype=alias.dtype)
+        alias.data = empty.to_mkldnn() if alias.is_mkldnn else empty
 
 
 def _fast_call(runner) -> Callable[[list], torch.Tensor]:
