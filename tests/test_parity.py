@@ -1,5 +1,6 @@
 """Compiled graphs vs Transformers eager, for every supported architecture."""
 
+import contextlib
 import gc
 import weakref
 
@@ -242,3 +243,27 @@ def test_dropping_a_model_frees_its_weights(saved_tiny_llama):
     del model
     gc.collect()
     assert [ref() for ref in storages] == [None] * len(storages)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_projection_compiles_without_idle_cascade_helper(dtype):
+    # Inputs wider than 4096 (the 1.1B shape's down projection) got a heap-allocating sum helper per row that
+    # never cascades at this width; without it the kernel must compute the very same sums.
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from optimum_neuronx.backends.inductor import _vector_sums_without_idle_cascade
+
+    weight, x = torch.randn(64, 5632).to(dtype), torch.randn(5632).to(dtype)
+
+    def compiled_code(patched: bool):
+        torch._dynamo.reset()
+        context = _vector_sums_without_idle_cascade() if patched else contextlib.nullcontext()
+        with context, inductor_config.patch(force_disable_caches=True):
+            out, code = run_and_get_code(torch.compile(lambda w, v: (w * v).sum(-1)), weight, x)
+        return out, "\n".join(code)
+
+    helped, helped_code = compiled_code(patched=False)
+    plain, plain_code = compiled_code(patched=True)
+    assert "CascadeSumHelper" in helped_code and "CascadeSumHelper" not in plain_code
+    assert torch.equal(plain, helped)

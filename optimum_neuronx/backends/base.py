@@ -53,6 +53,10 @@ class Backend(ABC):
     @abstractmethod
     def compiler_version(self) -> str: ...
 
+    def codegen_options(self) -> dict:
+        """Code-generation choices of this backend beyond the lowering (stamped: a change recompiles)."""
+        return {}
+
     def target(self) -> str:
         """What compiled graphs need of the machine that runs them (stamped in the export and the cache key)."""
         return ""

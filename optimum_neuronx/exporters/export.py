@@ -120,7 +120,8 @@ class _Prepared:
     def backend_stamp(self) -> dict:
         lowering = self.decoder.lowering
         return {"version": self.backend.compiler_version(), "target": self.backend.target(),
-                "lowering": lowering.describe(), "packable_weights": self.decoder.packable_weight_names()}
+                "lowering": lowering.describe(), "codegen": self.backend.codegen_options(),
+                "packable_weights": self.decoder.packable_weight_names()}
 
     def cache_key(self) -> CacheKey:
         versions = {"optimum_neuronx": __version__, "torch": torch.__version__, "compiler": self.backend_stamp()}
