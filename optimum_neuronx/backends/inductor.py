@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 PACKAGE_NAME = "model.pt2"
 
+# Inductor's C++ sums over more than this many elements accumulate through a CascadeSumHelper, which starts
+# a new partial sum every CASCADE_CHUNK vector iterations (pairwise summation, for precision).
+CASCADE_CHUNK = 4096
+
 
 def parse_compiler_args(compiler_args: Sequence[str]) -> dict:
     """`name=value` pairs -> Inductor config options (values parsed as JSON when they can be)."""
@@ -170,11 +174,6 @@ def _release_aliases(aliases: list[torch.Tensor]) -> None:
     for alias in aliases:
         empty = torch.empty(0, dtype=alias.dtype)
         alias.data = empty.to_mkldnn() if alias.is_mkldnn else empty
-
-
-# Inductor's C++ sums over more than this many elements accumulate through a CascadeSumHelper, which starts
-# a new partial sum every CASCADE_CHUNK vector iterations (pairwise summation, for precision).
-CASCADE_CHUNK = 4096
 
 
 @contextlib.contextmanager
