@@ -268,7 +268,8 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                 valid.copy_(attention_mask[:, : slot + 1])
             else:
                 valid.fill_(True)
-            # In place into buffers the graphs read: no allocation per step. Rows past b are never read back.
+            # The small inputs are refilled in place, not allocated per step (the key mask's window is still copied
+            # out contiguous below). Rows past b are never read back.
             step.ids[:b, 0] = input_ids[:, j]
             torch.sum(valid, dim=-1, out=step.positions[:b, 0])
             step.positions[:b].sub_(1).clamp_(min=0)
