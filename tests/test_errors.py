@@ -108,8 +108,37 @@ def test_stale_or_foreign_artifact_refused(damaged, edit, message):
 def test_export_is_stamped_with_the_cpu_it_compiled_for(saved_tiny_llama):
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    compiler = json.loads((saved_tiny_llama / "neuron_config.json").read_text())["versions"]["compiler"]
-    assert compiler["target"] == f"cpu {pick_vec_isa()}".strip()
+    from optimum_neuronx.backends.inductor import BACKEND
+
+    target = json.loads((saved_tiny_llama / "neuron_config.json").read_text())["versions"]["compiler"]["target"]
+    assert target.startswith(f"cpu {pick_vec_isa()}".strip())
+    assert BACKEND.missing_target_support(target) == ""
+
+
+def test_export_needing_an_instruction_set_this_cpu_lacks_refused(damaged, monkeypatch):
+    # The x86 check reads the CPU's feature flags: pretend this one has no AVX-512.
+    _edit_json(damaged / "neuron_config.json",
+               lambda m: m["versions"]["compiler"].update(target="cpu avx512 avx512_vnni"))
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    with pytest.raises(ArtifactError, match=r"compiled for the vector instructions 'avx512 avx512_vnni'; this CPU "
+                                            r"lacks avx512 \(it supports: .*\)\. Export it on this machine"):
+        NeuronModelForCausalLM.from_pretrained(damaged)
+
+
+def test_loading_needs_no_cpp_compiler(saved_tiny_llama, compiled_model, tmp_path):
+    # Only exporting compiles C++. With no compiler on PATH (and an empty Inductor cache), a fresh process must
+    # load the export and generate what the exporting process does.
+    import os
+
+    from conftest import generate_in_fresh_process
+
+    inputs = {"input_ids": torch.tensor([[5, 9, 2, 7]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    expected = compiled_model(MODEL).generate(**inputs, max_new_tokens=6, do_sample=False)
+    (tmp_path / "bin").mkdir()
+    env = {**os.environ, "PATH": str(tmp_path / "bin"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    result, tokens = generate_in_fresh_process(saved_tiny_llama, inputs, max_new_tokens=6, env=env)
+    assert tokens == expected.tolist()
+    assert "outdated pt2" not in result.stderr
 
 
 def test_edited_model_config_refused(damaged):

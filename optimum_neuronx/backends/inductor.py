@@ -31,6 +31,18 @@ PACKAGE_NAME = "model.pt2"
 # a new partial sum every CASCADE_CHUNK vector iterations (pairwise summation, for precision).
 CASCADE_CHUNK = 4096
 
+# x86 vector instruction sets named in an export's target -> the torch.cpu probe that says this CPU has them.
+X86_FEATURE_PROBES = {
+    "avx2": "_is_avx2_supported",
+    "avx512": "_is_avx512_supported",
+    "avx512_vnni": "_is_vnni_supported",
+    "avx512_bf16": "_is_avx512_bf16_supported",
+    "amx_tile": "_is_amx_tile_supported",
+    "amx_fp16": "_is_amx_fp16_supported",
+}
+# Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
+OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
+
 
 def parse_compiler_args(compiler_args: Sequence[str]) -> dict:
     """`name=value` pairs -> Inductor config options (values parsed as JSON when they can be)."""
@@ -98,16 +110,31 @@ class InductorBackend(Backend):
         return {"plain_vector_sums_up_to": CASCADE_CHUNK}
 
     def target(self) -> str:
-        # Inductor's C++ kernels use the widest vector ISA of the compiling CPU (e.g. "avx512 avx512_vnni");
-        # gemm_dtype also depends on the compiling CPU, but both of its choices run anywhere.
+        # The vector instructions Inductor's C++ kernels were compiled for: its ISA for this CPU (e.g. "avx512
+        # avx512_vnni") plus the optional instruction sets it added to the compiler flags. gemm_dtype also depends
+        # on the compiling CPU, but both of its choices run anywhere.
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-        return f"cpu {pick_vec_isa()}".strip()
+        isa = pick_vec_isa()
+        flags = isa.build_arch_flags().split() if isa else []
+        extras = [name for flag, name in OPTIONAL_ISA_FLAGS.items() if flag in flags]
+        return " ".join(["cpu", str(isa) if isa else "", *extras]).strip()
 
     def missing_target_support(self, target: str) -> str:
+        features = target.removeprefix("cpu").split()
+        if all(name in X86_FEATURE_PROBES for name in features):
+            # Read from the CPU's own feature flags (cpuinfo): no compiler needed to load an export.
+            has = {name: getattr(torch.cpu, probe, lambda: False)() for name, probe in X86_FEATURE_PROBES.items()}
+            lacking = [name for name in features if not has[name]]
+            if not lacking:
+                return ""
+            supported = [name for name, ok in has.items() if ok]
+            return (f"its kernels were compiled for the vector instructions {' '.join(features)!r}; this CPU lacks "
+                    f"{', '.join(lacking)} (it supports: {', '.join(supported) or 'none of them'})")
+        # Other architectures: Inductor's own check, which test-compiles a kernel for each ISA (needs a compiler).
         from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
-        isa = target.removeprefix("cpu").strip()
+        isa = " ".join(features)
         supported = [str(vec) for vec in valid_vec_isa_list()]
         if not isa or isa in supported:
             return ""
@@ -146,11 +173,13 @@ class InductorBackend(Backend):
         return times
 
     def load(self, artifact_dir, graphs, weights) -> dict[str, CompiledGraph]:
-        from torch._inductor.package import load_package
-
         loaded = {}
         for graph in graphs:
-            runner = load_package(str(Path(artifact_dir) / PACKAGE_NAME), graph.name)
+            # The C++ loader, not load_package(): that first loads every graph in the package to compare this CPU
+            # with the compiling one, which imports Inductor and test-compiles a kernel per vector ISA (~3 s in a
+            # fresh process, and an error with no C++ compiler installed). read_artifact checked the target.
+            runner = torch._C._aoti.AOTIModelPackageLoader(str(Path(artifact_dir) / PACKAGE_NAME), graph.name,
+                                                           False, 1, -1)
             needed = runner.get_constant_fqns()
             missing = [name for name in needed if name not in weights]
             # Running a graph whose constants were never loaded segfaults: refuse before any call.
@@ -163,7 +192,7 @@ class InductorBackend(Backend):
             # reference to every user-managed constant and never drops it, which would keep all the weights
             # resident after the model is gone; emptying the aliases once the graph is collected releases them.
             aliases = {name: weights[name].detach() for name in needed}
-            runner.load_constants(aliases, check_full_update=True, user_managed=True)
+            runner.load_constants(aliases, use_inactive=False, check_full_update=True, user_managed=True)
             loaded[graph.name] = _fast_call(runner)
             weakref.finalize(loaded[graph.name], _release_aliases, list(aliases.values()))
         return loaded
@@ -206,10 +235,8 @@ def _vector_sums_without_idle_cascade():
         cpp.CppKernel.need_use_acc_helper = original
 
 
-def _fast_call(runner) -> Callable[[list], torch.Tensor]:
-    # AOTICompiledModel.__call__ re-parses its pytree spec on every call; the flat entry point does not.
-    loader = runner.loader
-
+def _fast_call(loader) -> Callable[[list], torch.Tensor]:
+    # The flat entry point: AOTICompiledModel.__call__ would re-parse its pytree spec on every call.
     def call(flat_inputs: list) -> torch.Tensor:
         return loader.boxed_run(flat_inputs)[0]
 
