@@ -44,6 +44,11 @@ X86_FEATURE_PROBES = {
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
 
 
+def cpu_has(feature: str) -> bool:
+    """Whether this CPU has an x86 instruction set named in X86_FEATURE_PROBES (False if torch cannot tell)."""
+    return getattr(torch.cpu, X86_FEATURE_PROBES[feature], lambda: False)()
+
+
 def parse_compiler_args(compiler_args: Sequence[str]) -> dict:
     """`name=value` pairs -> Inductor config options (values parsed as JSON when they can be)."""
     from torch._inductor import config as inductor_config
@@ -97,9 +102,8 @@ class InductorBackend(Backend):
         # Without native bf16/fp16 dot products (avx512_bf16, AMX) the BLAS emulates half-precision GEMMs 8x
         # slower than float32 here (docs/performance.md): upcast the operands, round the result. Weights stay
         # half precision in memory; decode's few-row projections (reductions) are not affected.
-        native = {torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-                  torch.float16: ("_is_amx_fp16_supported",)}
-        if dtype not in native or any(getattr(torch.cpu, probe, lambda: False)() for probe in native[dtype]):
+        native = {torch.bfloat16: ("avx512_bf16", "amx_tile"), torch.float16: ("amx_fp16",)}
+        if dtype not in native or any(cpu_has(feature) for feature in native[dtype]):
             return dtype
         return torch.float32
 
@@ -124,7 +128,7 @@ class InductorBackend(Backend):
         features = target.removeprefix("cpu").split()
         if all(name in X86_FEATURE_PROBES for name in features):
             # Read from the CPU's own feature flags (cpuinfo): no compiler needed to load an export.
-            has = {name: getattr(torch.cpu, probe, lambda: False)() for name, probe in X86_FEATURE_PROBES.items()}
+            has = {name: cpu_has(name) for name in X86_FEATURE_PROBES}
             lacking = [name for name in features if not has[name]]
             if not lacking:
                 return ""
