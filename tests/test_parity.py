@@ -233,6 +233,65 @@ def test_reduced_attention_matches_sdpa(dtype):
         torch.testing.assert_close(out.float(), expected, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [0, 64])
+def test_blocked_causal_attention_matches_sdpa(dtype, block):
+    # Context graphs fold each KV group's query heads into the query axis and, with Lowering.causal_block, run
+    # SDPA per block of queries against only the keys up to the block's end. For every real query that must
+    # equal plain SDPA with K/V repeated per head over the whole causal + padding mask: with a last block shorter
+    # than the others and left padding filling a whole block. Padding queries see no key: their outputs (never
+    # read) may differ, but are not NaN.
+    from optimum_neuronx.modeling.decoder import attention, attention_masks
+
+    generator = torch.Generator().manual_seed(0)
+    batch, kv_heads, n_rep, tokens, head_dim = 3, 2, 3, 150, 16
+    q = torch.randn(batch, kv_heads * n_rep, tokens, head_dim, generator=generator).to(dtype)
+    keys, values = (torch.randn(batch, kv_heads, tokens, head_dim, generator=generator).to(dtype) for _ in range(2))
+    valid = torch.ones(batch, tokens, dtype=torch.bool)
+    valid[0, :70] = False  # left padding covering the first block
+    valid[2] = False
+    allowed = valid[:, None, None, :] & torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    mask = torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)  # [B, 1, T, T]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys.float().repeat_interleave(n_rep, 1), values.float().repeat_interleave(n_rep, 1),
+        attn_mask=mask.float(), scale=0.25)
+    folded = q.view(batch, kv_heads, n_rep, tokens, head_dim).transpose(2, 3).reshape(batch, kv_heads, -1, head_dim)
+    masks = attention_masks(mask, n_rep, block)
+    assert len(masks) == (3 if block else 1)
+    with torch.no_grad():
+        out = attention(folded, keys, values, masks, 0.25, reduced=False)
+    out = out.view(batch, kv_heads, tokens, n_rep, head_dim).transpose(2, 3).reshape(q.shape)
+    assert out.dtype == dtype and not out.isnan().any()
+    real = valid[:, None, :, None].expand(q.shape)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float()[real], expected[real], **tolerance)
+
+
+def test_prompts_longer_than_an_attention_block_match_eager(tiny_checkpoint, reference_model):
+    # Prompts left-padded into a context bucket of 1.75 attention blocks: the context graph's attention runs in
+    # a full block and a shorter one, row 0's padding fills the first block entirely, row 2 spans both.
+    from optimum_neuronx.backends import get_backend
+
+    block = get_backend("inductor").lowering(torch.float32, batch_size=3).causal_block
+    assert 0 < block <= 128  # the tiny models hold 256 positions
+    bucket = block * 7 // 4
+    model_type = "qwen2"  # tied embeddings; llama/mistral/qwen3 share the decoder and its attention
+    compiled = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, batch_size=3,
+                                                      sequence_length=bucket + 32, context_buckets=[bucket],
+                                                      token_buckets=[bucket + 32])
+    generator = torch.Generator().manual_seed(2)
+    lengths = (bucket - block - 8, block + 20, bucket - 14)
+    input_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, n in enumerate(lengths):
+        input_ids[row, -n:] = torch.randint(3, 256, (n,), generator=generator)
+        attention_mask[row, -n:] = 1
+    result = compare_generation(reference_model(model_type), compiled, input_ids, attention_mask,
+                                max_new_tokens=20, min_new_tokens=20)
+    assert result.max_logit_diff < LOGIT_TOLERANCE, result
+    assert result.tokens_match, result
+
+
 def test_dropping_a_model_frees_its_weights(saved_tiny_llama):
     # AOTInductor holds one reference to each user-managed constant that it never drops; unless the backend
     # releases them, every model loaded stays resident after it is gone.

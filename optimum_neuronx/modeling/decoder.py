@@ -72,6 +72,8 @@ class Lowering:
         load into oneDNN's blocked layout for this many rows; the graphs then never read them as plain tensors.
     attention_tokens: attention for at most this many new tokens per sequence (decode) is multiply + sum
         reductions over the cache, which Inductor fuses (`reduced_attention`); longer queries use SDPA.
+    causal_block: when > 0, context attention runs SDPA per block of this many query tokens, each against only
+        the keys up to its last token (`attention_masks`): the blocks above the diagonal are never computed.
     """
 
     matvec_rows: int = 0
@@ -79,6 +81,7 @@ class Lowering:
     onednn: bool = False
     packed_rows: int = 0
     attention_tokens: int = 0
+    causal_block: int = 0
 
     def for_layers(self) -> "Lowering":
         # Packed weights are opaque to the multiply + sum: every layer projection goes through oneDNN.
@@ -91,7 +94,8 @@ class Lowering:
 
     def describe(self) -> dict:
         return {"matvec_rows": self.matvec_rows, "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."),
-                "onednn": self.onednn, "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens}
+                "onednn": self.onednn, "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens,
+                "causal_block": self.causal_block}
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lowering: Lowering) -> torch.Tensor:
@@ -134,6 +138,44 @@ def reduced_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     scores = (query[:, :, :, None, :] * keys.float()[:, :, None, :, :]).sum(-1) * scale + mask
     probs = scores.softmax(-1)
     return (probs[..., None] * values.float()[:, :, None, :, :]).sum(-2).to(q.dtype)
+
+
+def attention_masks(mask: torch.Tensor, n_rep: int, causal_block: int = 0) -> list[torch.Tensor]:
+    """The additive mask [B, 1, T, W] in the layers' folded layout, one piece per block of query tokens.
+
+    Rows are folded like the queries (`attention`): token-major, the `n_rep` query heads of one KV group after
+    each other. A context graph (T == W, from slot 0) is cut into blocks of `causal_block` tokens, each with only
+    the keys up to its last token: the keys it drops are masked for all of its rows (softmax weight exactly 0).
+    Otherwise (decode, or blocks off) one piece covers every query and the whole window. Built once per graph,
+    stored (not left as a stride-0 expand) for all layers to read.
+    """
+    B, _, T, W = mask.shape
+    blocks = [(0, T, W)]
+    if 0 < causal_block < T and T == W:
+        blocks = [(start, min(start + causal_block, T), min(start + causal_block, T)) for start in range(0, T, causal_block)]
+    return [mask[:, :, start:end, :keys, None].transpose(-1, -2).expand(B, 1, end - start, n_rep, keys)
+            .reshape(B, 1, (end - start) * n_rep, keys).contiguous() for start, end, keys in blocks]
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, masks: list[torch.Tensor], scale: float,
+              reduced: bool) -> torch.Tensor:
+    """Attention of folded queries q [B, kv_heads, T * n_rep, D] over keys/values [B, kv_heads, W, D].
+
+    Each piece of `masks` (from `attention_masks`) takes the next rows of q and the keys its width covers: a
+    context graph's query blocks skip the keys after them, which the CPU flash-attention kernel would compute
+    under an explicit mask (its `is_causal` path is no faster here): 512 tokens, 64-token blocks, 35-40% less
+    time. `reduced`: multiply + sum reductions (`reduced_attention`) instead of SDPA.
+    """
+    out, start = [], 0
+    for mask in masks:
+        rows, width = mask.shape[-2:]
+        args = (q[:, :, start:start + rows], keys[:, :, :width], values[:, :, :width])
+        if reduced:
+            out.append(reduced_attention(*args, mask, scale))
+        else:
+            out.append(F.scaled_dot_product_attention(*args, attn_mask=mask, scale=scale))
+        start += rows
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 def _materialized(x: torch.Tensor) -> torch.Tensor:
@@ -199,10 +241,9 @@ class DecoderLayer(nn.Module):
         self.down_proj = Projection(s.intermediate_size, s.hidden_size, s.mlp_bias, **lowering)
         self.act = _ACTIVATIONS[s.hidden_act]
 
-    def forward(self, h, cos, sin, mask, slots, kv_cache):
+    def forward(self, h, cos, sin, masks, slots, kv_cache):
         s = self.spec
         B, T, _ = h.shape
-        W = mask.shape[-1]
         n_rep = s.num_heads // s.num_kv_heads
 
         qkv = self.qkv_proj(self.input_norm(h))
@@ -226,17 +267,12 @@ class DecoderLayer(nn.Module):
             slots.view(1, 1, 1, T),
         )
         kv_cache.index_put_(index, new_kv.to(kv_cache.dtype))
-        keys = kv_cache[0, :, :, :W]
-        values = kv_cache[1, :, :, :W]
 
-        # GQA without repeating K/V: fold the query heads of one KV group into the query axis.
-        q = q.transpose(1, 2).reshape(B, s.num_kv_heads, n_rep * T, s.head_dim)
-        mask = mask.repeat(1, 1, n_rep, 1)
-        if T <= self.attention_tokens:
-            attn = reduced_attention(q, keys, values, mask, s.head_dim**-0.5)
-        else:
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=s.head_dim**-0.5)
-        attn = attn.view(B, s.num_kv_heads, n_rep, T, s.head_dim).permute(0, 3, 1, 2, 4)
+        # GQA without repeating K/V: fold the query heads of one KV group into the query axis, token-major.
+        q = q.view(B, T, s.num_kv_heads, n_rep, s.head_dim).transpose(1, 2).reshape(B, s.num_kv_heads, T * n_rep,
+                                                                                     s.head_dim)
+        attn = attention(q, kv_cache[0], kv_cache[1], masks, s.head_dim**-0.5, reduced=T <= self.attention_tokens)
+        attn = attn.view(B, s.num_kv_heads, T, n_rep, s.head_dim).transpose(1, 2)
         h = h + self.o_proj(attn.reshape(B, T, s.num_heads * s.head_dim))
 
         gate, up = self.gate_up_proj(self.post_attention_norm(h)).chunk(2, dim=-1)
@@ -285,8 +321,9 @@ class StaticDecoder(nn.Module):
         # A finite minimum, not -inf: rows with nothing to attend to (padding) must not produce NaN.
         mask = torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)  # [B, 1, T, W]
 
+        masks = attention_masks(mask, self.spec.num_heads // self.spec.num_kv_heads, self.lowering.causal_block)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, mask, slots, kv_cache)
+            h = layer(h, cos, sin, masks, slots, kv_cache)
 
         h = h[torch.arange(B, device=h.device), last_index]  # [B, hidden]
         h = self.norm(h)
