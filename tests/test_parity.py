@@ -311,7 +311,7 @@ def test_wide_projection_compiles_without_idle_cascade_helper(dtype):
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
-    from optimum_neuronx.backends.inductor import _vector_sums_without_idle_cascade
+    from optimum_neuronx.backends.inductor_codegen import _vector_sums_without_idle_cascade
 
     weight, x = torch.randn(64, 5632).to(dtype), torch.randn(5632).to(dtype)
 
@@ -326,3 +326,35 @@ def test_wide_projection_compiles_without_idle_cascade_helper(dtype):
     plain, plain_code = compiled_code(patched=True)
     assert "CascadeSumHelper" in helped_code and "CascadeSumHelper" not in plain_code
     assert torch.equal(plain, helped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_streaming_loads_are_prefetched(dtype):
+    # Decode's projections stream weight rows through a multiply + sum: the weight load gets one software
+    # prefetch ROW_PREFETCH_BYTES ahead, the vector it is multiplied with (same elements every row) none, an
+    # elementwise kernel none; the results do not change.
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from optimum_neuronx.backends.inductor_codegen import ROW_PREFETCH_BYTES, decode_codegen
+
+    weight, x = torch.randn(300, 640).to(dtype), torch.randn(640).to(dtype)
+
+    def compiled(fn, patched: bool):
+        torch._dynamo.reset()
+        context = decode_codegen() if patched else contextlib.nullcontext()
+        with context, inductor_config.patch(force_disable_caches=True):
+            out, code = run_and_get_code(torch.compile(fn), weight, x)
+        return out, "\n".join(code)
+
+    matvec = lambda w, v: (w * v).sum(-1)  # noqa: E731
+    plain, plain_code = compiled(matvec, patched=False)
+    fetched, fetched_code = compiled(matvec, patched=True)
+    prefetches = [line.strip() for line in fetched_code.splitlines() if "__builtin_prefetch" in line]
+    assert "__builtin_prefetch" not in plain_code
+    # One line, on the weight (the first input), moving along the row (x1) and from row to row (640*x0).
+    assert len(prefetches) == 1 and prefetches[0].startswith("__builtin_prefetch(in_ptr0 + ")
+    assert "640" in prefetches[0] and prefetches[0].endswith(f" + {ROW_PREFETCH_BYTES // dtype.itemsize});")
+    assert torch.equal(fetched, plain)
+    _, elementwise_code = compiled(lambda w, v: w * v + 1, patched=True)
+    assert "__builtin_prefetch" not in elementwise_code

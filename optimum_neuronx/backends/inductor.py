@@ -6,10 +6,8 @@ Weights live once in model.safetensors and are handed to every graph with
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import shutil
 import tempfile
 import time
@@ -22,14 +20,11 @@ from tqdm.auto import tqdm
 
 from ..modeling.decoder import Lowering
 from .base import Backend, CompiledGraph, GraphSpec
+from .inductor_codegen import codegen_options, decode_codegen
 
 logger = logging.getLogger(__name__)
 
 PACKAGE_NAME = "model.pt2"
-
-# Inductor's C++ sums over more than this many elements accumulate through a CascadeSumHelper, which starts
-# a new partial sum every CASCADE_CHUNK vector iterations (pairwise summation, for precision).
-CASCADE_CHUNK = 4096
 
 # x86 vector instruction sets named in an export's target -> the torch.cpu probe that says this CPU has them.
 X86_FEATURE_PROBES = {
@@ -112,7 +107,7 @@ class InductorBackend(Backend):
         return torch.__version__
 
     def codegen_options(self) -> dict:
-        return {"plain_vector_sums_up_to": CASCADE_CHUNK}
+        return codegen_options()
 
     def target(self) -> str:
         # The vector instructions Inductor's C++ kernels were compiled for: its ISA for this CPU (e.g. "avx512
@@ -169,7 +164,7 @@ class InductorBackend(Backend):
                     # exist there: an export with another sequence_length would reuse stale kernels.
                     "aot_inductor.output_path": str(Path(build_dir) / graph.name),
                 }
-                with _vector_sums_without_idle_cascade():
+                with decode_codegen():
                     files[graph.name] = torch._inductor.aot_compile(program.module(), args, options=options)
                 times[graph.name] = time.perf_counter() - start
                 logger.info("Compiled graph %s (tokens=%d, window=%d) in %.1f s", graph.name, graph.tokens,
@@ -208,36 +203,6 @@ def _release_aliases(aliases: list[torch.Tensor]) -> None:
     for alias in aliases:
         empty = torch.empty(0, dtype=alias.dtype)
         alias.data = empty.to_mkldnn() if alias.is_mkldnn else empty
-
-
-@contextlib.contextmanager
-def _vector_sums_without_idle_cascade():
-    """Compile vectorized sums of at most CASCADE_CHUNK vectors with a plain accumulator.
-
-    Such a sum never reaches a second chunk, so its CascadeSumHelper only adds one heap allocation per output
-    element: every row of a projection whose input is wider than 4096 (the 1.1B shape's down projection: 5632)
-    allocated and freed two vectors, ~6% of a bf16 batch-1 decode step in malloc/free. The kernels compute
-    the same sums in the same order, bit for bit; longer sums keep their helper.
-    """
-    from torch._inductor.codegen import cpp
-
-    original = getattr(cpp.CppKernel, "need_use_acc_helper", None)
-    if original is None or not hasattr(cpp, "CppVecKernel"):
-        yield
-        return
-
-    def need_use_acc_helper(kernel, reduction_type, dtype, use_scalar):
-        if reduction_type == "sum" and not use_scalar and isinstance(kernel, cpp.CppVecKernel):
-            size = math.prod(kernel.call_ranges[kernel.reduction_depth:])
-            if getattr(size, "is_number", True) and int(size) <= CASCADE_CHUNK * kernel.tiling_factor:
-                return False
-        return original(kernel, reduction_type, dtype, use_scalar)
-
-    cpp.CppKernel.need_use_acc_helper = need_use_acc_helper
-    try:
-        yield
-    finally:
-        cpp.CppKernel.need_use_acc_helper = original
 
 
 def _fast_call(loader) -> Callable[[list], torch.Tensor]:
