@@ -336,7 +336,7 @@ def test_row_streaming_loads_are_prefetched(dtype):
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
-    from optimum_neuronx.backends.inductor_codegen import ROW_PREFETCH_BYTES, decode_codegen
+    from optimum_neuronx.backends.inductor_codegen import ROW_PREFETCH_BYTES, ROW_PREFETCH_LOCALITY, decode_codegen
 
     weight, x = torch.randn(300, 640).to(dtype), torch.randn(640).to(dtype)
 
@@ -354,7 +354,8 @@ def test_row_streaming_loads_are_prefetched(dtype):
     assert "__builtin_prefetch" not in plain_code
     # One line, on the weight (the first input), moving along the row (x1) and from row to row (640*x0).
     assert len(prefetches) == 1 and prefetches[0].startswith("__builtin_prefetch(in_ptr0 + ")
-    assert "640" in prefetches[0] and prefetches[0].endswith(f" + {ROW_PREFETCH_BYTES // dtype.itemsize});")
+    ahead = ROW_PREFETCH_BYTES // dtype.itemsize
+    assert "640" in prefetches[0] and prefetches[0].endswith(f" + {ahead}, 0, {ROW_PREFETCH_LOCALITY});")
     assert torch.equal(fetched, plain)
     _, elementwise_code = compiled(lambda w, v: w * v + 1, patched=True)
     assert "__builtin_prefetch" not in elementwise_code
