@@ -304,26 +304,30 @@ def test_dropping_a_model_frees_its_weights(saved_tiny_llama):
     assert [ref() for ref in storages] == [None] * len(storages)
 
 
+def _compiled_kernel(fn, args, context=None):
+    """fn's result and the source Inductor generated for it, compiled inside `context`, outside every cache."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with context or contextlib.nullcontext(), inductor_config.patch(force_disable_caches=True):
+        out, code = run_and_get_code(torch.compile(fn), *args)
+    return out, "\n".join(code)
+
+
+def _matvec(w, v):
+    return (w * v).sum(-1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wide_projection_compiles_without_idle_cascade_helper(dtype):
     # Inputs wider than 4096 (the 1.1B shape's down projection) got a heap-allocating sum helper per row that
     # never cascades at this width; without it the kernel must compute the very same sums.
-    from torch._inductor import config as inductor_config
-    from torch._inductor.utils import run_and_get_code
-
     from optimum_neuronx.backends.inductor_codegen import _vector_sums_without_idle_cascade
 
-    weight, x = torch.randn(64, 5632).to(dtype), torch.randn(5632).to(dtype)
-
-    def compiled_code(patched: bool):
-        torch._dynamo.reset()
-        context = _vector_sums_without_idle_cascade() if patched else contextlib.nullcontext()
-        with context, inductor_config.patch(force_disable_caches=True):
-            out, code = run_and_get_code(torch.compile(lambda w, v: (w * v).sum(-1)), weight, x)
-        return out, "\n".join(code)
-
-    helped, helped_code = compiled_code(patched=False)
-    plain, plain_code = compiled_code(patched=True)
+    args = torch.randn(64, 5632).to(dtype), torch.randn(5632).to(dtype)
+    helped, helped_code = _compiled_kernel(_matvec, args)
+    plain, plain_code = _compiled_kernel(_matvec, args, _vector_sums_without_idle_cascade())
     assert "CascadeSumHelper" in helped_code and "CascadeSumHelper" not in plain_code
     assert torch.equal(plain, helped)
 
@@ -333,23 +337,11 @@ def test_row_streaming_loads_are_prefetched(dtype):
     # Decode's projections stream weight rows through a multiply + sum: the weight load gets one software
     # prefetch ROW_PREFETCH_BYTES ahead, the vector it is multiplied with (same elements every row) none, an
     # elementwise kernel none; the results do not change.
-    from torch._inductor import config as inductor_config
-    from torch._inductor.utils import run_and_get_code
-
     from optimum_neuronx.backends.inductor_codegen import ROW_PREFETCH_BYTES, ROW_PREFETCH_LOCALITY, decode_codegen
 
-    weight, x = torch.randn(300, 640).to(dtype), torch.randn(640).to(dtype)
-
-    def compiled(fn, patched: bool):
-        torch._dynamo.reset()
-        context = decode_codegen() if patched else contextlib.nullcontext()
-        with context, inductor_config.patch(force_disable_caches=True):
-            out, code = run_and_get_code(torch.compile(fn), weight, x)
-        return out, "\n".join(code)
-
-    matvec = lambda w, v: (w * v).sum(-1)  # noqa: E731
-    plain, plain_code = compiled(matvec, patched=False)
-    fetched, fetched_code = compiled(matvec, patched=True)
+    args = torch.randn(300, 640).to(dtype), torch.randn(640).to(dtype)
+    plain, plain_code = _compiled_kernel(_matvec, args)
+    fetched, fetched_code = _compiled_kernel(_matvec, args, decode_codegen())
     prefetches = [line.strip() for line in fetched_code.splitlines() if "__builtin_prefetch" in line]
     assert "__builtin_prefetch" not in plain_code
     # One line, on the weight (the first input), moving along the row (x1) and from row to row (640*x0).
@@ -357,5 +349,5 @@ def test_row_streaming_loads_are_prefetched(dtype):
     ahead = ROW_PREFETCH_BYTES // dtype.itemsize
     assert "640" in prefetches[0] and prefetches[0].endswith(f" + {ahead}, 0, {ROW_PREFETCH_LOCALITY});")
     assert torch.equal(fetched, plain)
-    _, elementwise_code = compiled(lambda w, v: w * v + 1, patched=True)
+    _, elementwise_code = _compiled_kernel(lambda w, v: w * v + 1, args, decode_codegen())
     assert "__builtin_prefetch" not in elementwise_code

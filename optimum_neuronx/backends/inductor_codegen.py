@@ -94,7 +94,7 @@ def _row_streams_prefetched() -> Iterator[None]:
 
     def load(kernel, name, index):
         try:
-            line = _prefetch_line(kernel, cpp, name, index)
+            line = _prefetch_line(kernel, name, index)
         except Exception:  # a hint must never break a compile: Inductor internals differ between releases
             logger.debug("no prefetch for %s[%s]", name, index, exc_info=True)
             line = None
@@ -111,7 +111,8 @@ def _row_streams_prefetched() -> Iterator[None]:
         cpp.CppVecKernel.load = original
 
 
-def _prefetch_line(kernel, cpp, name: str, index) -> Optional[str]:
+def _prefetch_line(kernel, name: str, index) -> Optional[str]:
+    from torch._inductor.codegen.cpp_utils import cexpr_index
     from torch._inductor.virtualized import V
 
     depth = kernel.reduction_depth
@@ -123,5 +124,5 @@ def _prefetch_line(kernel, cpp, name: str, index) -> Optional[str]:
     if kernel._try_get_const_stride(index, kernel.itervars[kernel.tiling_idx]) != 1:
         return None
     ahead = ROW_PREFETCH_BYTES // V.graph.get_dtype(name).itemsize
-    address = f"{kernel.args.input(name)} + {cpp.cexpr_index(index)} + {ahead}"
+    address = f"{kernel.args.input(name)} + {cexpr_index(index)} + {ahead}"
     return f"__builtin_prefetch({address}, 0, {ROW_PREFETCH_LOCALITY});"
