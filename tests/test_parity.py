@@ -2,6 +2,7 @@
 
 import contextlib
 import gc
+from dataclasses import replace
 import weakref
 
 import pytest
@@ -66,6 +67,19 @@ def bf16_llama(tiny_checkpoint):
                                                   auto_cast_type="bf16")
 
 
+def test_bf16_export_runs_decode_projections_through_the_dot_kernel(bf16_llama):
+    # The teacher-forced test below checks this export's numbers: it must be the kernel's path that it checks.
+    import json
+
+    from optimum_neuronx.backends import get_backend
+
+    if not get_backend("inductor").has_bf16_dot_kernel():
+        pytest.skip("rows_matvec_bf16's kernel needs avx512_bf16 and GCC or Clang")
+    stamp = json.loads((bf16_llama.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
+    assert stamp["lowering"]["dot_rows"] == 4 and not stamp["lowering"]["packed_rows"]
+    assert "avx512_bf16" in stamp["target"].split() and stamp["codegen"]["kernels"]
+
+
 def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, reference_model, bf16_llama,
                                                     left_padded_batch):
     """bf16 greedy paths diverge between any two implementations: compare logits on the same tokens instead.
@@ -122,7 +136,8 @@ def test_projection_as_reduction_matches_linear(rows, dtype):
     x = torch.randn(rows, 1, 48, generator=generator).to(dtype)
     weight = torch.randn(80, 48, generator=generator).to(dtype)
     bias = torch.randn(80, generator=generator).to(dtype)
-    lowering = get_backend("inductor").lowering(dtype, batch_size=1)
+    # bfloat16 decode uses the dot kernel where the CPU has avx512_bf16 (test_kernels.py); elsewhere this path
+    lowering = replace(get_backend("inductor").lowering(dtype, batch_size=1), dot_rows=0)
     assert lowering.matvec_rows == 4 and not lowering.packed_rows
     expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
@@ -165,13 +180,14 @@ def test_half_precision_gemm_upcasts_only_without_native_support(monkeypatch, na
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 4, 9])
 def test_projection_with_packed_weight_matches_linear(rows, dtype):
-    # Exports with batch > 1 run every layer projection through oneDNN with the weight reordered at load
-    # (packed): whatever the row count, the result is F.linear's. (Compiled: the exported parity tests.)
+    # Exports with batch > 1 (bfloat16 with the dot kernel: batch > 4) run every layer projection through oneDNN
+    # with the weight reordered at load (packed): whatever the row count, the result is F.linear's. (Compiled: the
+    # exported parity tests.)
     from optimum_neuronx.backends import get_backend
     from optimum_neuronx.modeling.decoder import project
 
     backend = get_backend("inductor")
-    lowering = backend.lowering(dtype, batch_size=4).for_layers()
+    lowering = backend.lowering(dtype, batch_size=8).for_layers()  # above the bf16 dot kernel's 4 rows
     if not lowering.packed_rows:
         pytest.skip(f"this CPU has no native {dtype} dot products: no oneDNN path")
     assert lowering.onednn and lowering.matvec_rows == 0

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from ..modeling.decoder import Lowering
 from .base import Backend, CompiledGraph, GraphSpec
 from .inductor_codegen import codegen_options, decode_codegen
+from .inductor_kernels import c_shim_options, kernel_digests
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ X86_FEATURE_PROBES = {
     "amx_tile": "_is_amx_tile_supported",
     "amx_fp16": "_is_amx_fp16_supported",
 }
+# Decode rows up to which bfloat16 projections use our dot-product kernel (it keeps one accumulator per row).
+DOT_KERNEL_ROWS = 4
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
 
@@ -82,13 +85,23 @@ class InductorBackend(Backend):
         # dot products (see gemm_dtype); elsewhere the multiply + sum up to 4 rows, and above that the float32
         # GEMM. Decode attention: fused reductions, up to 2x faster than the CPU flash-attention kernel. Prefill
         # attention: 128-token query blocks that skip the keys after them, 10% off a 512-token prefill (1.1B bf16).
+        # bfloat16 decode with avx512_bf16: our dot-product kernel (inductor_kernels.py), which streams the weights
+        # as fast at 4 rows as at 1, where oneDNN spends ~14 us per call outside its kernel (SmolLM2 batch 4: a
+        # fifth of the step) and the multiply + sum spends 40 instructions per 64-byte line.
         if not dtype.is_floating_point:
             return Lowering(gemm_dtype=self.gemm_dtype(dtype))
         gemm_dtype = self.gemm_dtype(dtype)
         onednn = gemm_dtype == dtype and torch.backends.mkldnn.is_available()
-        packed_rows = batch_size if onednn and batch_size > 1 else 0
-        return Lowering(matvec_rows=4, gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows,
-                        attention_tokens=1, causal_block=128)
+        dot_rows = DOT_KERNEL_ROWS if dtype == torch.bfloat16 and self.has_bf16_dot_kernel() else 0
+        packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
+        return Lowering(dot_rows=dot_rows, matvec_rows=4, gemm_dtype=gemm_dtype, onednn=onednn,
+                        packed_rows=packed_rows, attention_tokens=1, causal_block=128)
+
+    def has_bf16_dot_kernel(self) -> bool:
+        """Whether this machine can compile and run `rows_matvec_bf16`'s kernel (avx512_bf16, GCC or Clang)."""
+        from torch._inductor import cpp_builder
+
+        return cpu_has("avx512_bf16") and (cpp_builder.is_gcc() or cpp_builder.is_clang())
 
     def pack_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
         # oneDNN's blocked layout depends on this CPU and this torch build: reordered at load, never saved.
@@ -107,17 +120,20 @@ class InductorBackend(Backend):
         return torch.__version__
 
     def codegen_options(self) -> dict:
-        return codegen_options()
+        return {**codegen_options(), "kernels": kernel_digests()}
 
-    def target(self) -> str:
+    def target(self, lowering: Lowering | None = None) -> str:
         # The vector instructions Inductor's C++ kernels were compiled for: its ISA for this CPU (e.g. "avx512
-        # avx512_vnni") plus the optional instruction sets it added to the compiler flags. gemm_dtype also depends
-        # on the compiling CPU, but both of its choices run anywhere.
+        # avx512_vnni") plus the optional instruction sets it added to the compiler flags, and avx512_bf16 when
+        # the graphs carry our dot-product kernel. gemm_dtype also depends on the compiling CPU, but both of its
+        # choices run anywhere.
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         isa = pick_vec_isa()
         flags = isa.build_arch_flags().split() if isa else []
         extras = [name for flag, name in OPTIONAL_ISA_FLAGS.items() if flag in flags]
+        if lowering is not None and lowering.dot_rows and "avx512_bf16" not in extras:
+            extras.append("avx512_bf16")
         return " ".join(["cpu", str(isa) if isa else "", *extras]).strip()
 
     def missing_target_support(self, target: str) -> str:
@@ -155,6 +171,7 @@ class InductorBackend(Backend):
                 args = example_inputs(graph)
                 program = torch.export.export(decoder, args, strict=False)
                 options = {
+                    **c_shim_options(decoder.lowering.dot_rows),
                     **user_options,
                     "aot_inductor.package": True,
                     "aot_inductor.package_constants_in_so": False,

@@ -15,10 +15,12 @@ identical, so the compiler emits them once: compile time no longer grows with th
 Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal). Only the hidden
 state at `last_index` goes through the final norm and the LM head.
 
-How projections and decode attention are computed is the backend's choice (`Lowering`): projections over a
-handful of rows (decode) as multiply + sum, which Inductor fuses into one streaming reduction over the weight
-with one accumulator per row; otherwise F.linear, or oneDNN's linear, whose weights the runtime may reorder
-at load into oneDNN's blocked layout (`packed_rows`) - faster at a few rows than both (docs/performance.md).
+How projections and decode attention are computed is the backend's choice (`Lowering`): bfloat16 projections
+over a handful of rows (decode) as the custom op `rows_matvec_bf16` (ops.py), which the inductor backend compiles
+to a bf16 dot-product kernel; other projections over a handful of rows as multiply + sum, which Inductor fuses
+into one streaming reduction over the weight with one accumulator per row; otherwise F.linear, or oneDNN's
+linear, whose weights the runtime may reorder at load into oneDNN's blocked layout (`packed_rows`) - faster at a
+few rows than both of the latter (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .ops import rows_matvec_bf16
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -65,7 +69,9 @@ class DecoderSpec:
 class Lowering:
     """How the decoder's projections and decode attention are computed; chosen by the backend for each export.
 
-    matvec_rows: projections over at most this many rows are one multiply + sum per row (`project`).
+    dot_rows: bfloat16 projections over at most this many rows are `rows_matvec_bf16` (ops.py), for which the
+        backend compiles its own kernel.
+    matvec_rows: other projections over at most this many rows are one multiply + sum per row (`project`).
     gemm_dtype: dtype the other projections compute in (None: the input's).
     onednn: the other projections go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`).
     packed_rows: when > 0 (with onednn), the projection weights (layers, untied LM head) may be reordered at
@@ -76,6 +82,7 @@ class Lowering:
         the keys up to its last token (`attention_masks`): the blocks above the diagonal are never computed.
     """
 
+    dot_rows: int = 0
     matvec_rows: int = 0
     gemm_dtype: torch.dtype | None = None
     onednn: bool = False
@@ -84,8 +91,9 @@ class Lowering:
     causal_block: int = 0
 
     def for_layers(self) -> "Lowering":
-        # Packed weights are opaque to the multiply + sum: every layer projection goes through oneDNN.
-        return replace(self, matvec_rows=0) if self.packed_rows else self
+        # Packed weights are opaque to the multiply + sum and the dot kernel: every layer projection goes through
+        # oneDNN.
+        return replace(self, dot_rows=0, matvec_rows=0) if self.packed_rows else self
 
     def for_lm_head(self, tied: bool) -> "Lowering":
         # A tied LM head is the embedding table, which the embedding lookup reads plainly: never packed. (A
@@ -93,7 +101,7 @@ class Lowering:
         return replace(self, packed_rows=0) if tied else self.for_layers()
 
     def describe(self) -> dict:
-        return {"matvec_rows": self.matvec_rows, "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."),
+        return {"dot_rows": self.dot_rows, "matvec_rows": self.matvec_rows, "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."),
                 "onednn": self.onednn, "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens,
                 "causal_block": self.causal_block}
 
@@ -101,13 +109,19 @@ class Lowering:
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lowering: Lowering) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, computed as `lowering` says.
 
-    With at most `matvec_rows` rows: one multiply + sum per row. The per-row reductions share their loop over
+    bfloat16 with at most `dot_rows` rows: `rows_matvec_bf16`. Otherwise, with at most `matvec_rows` rows: one
+    multiply + sum per row. The per-row reductions share their loop over
     the weight, so the compiled kernel reads each weight row once and keeps one accumulator per input row;
     results are stacked row-major. (A single [out, rows, in] product instead leaves its result column-major,
     and the layout then spreads to the residual stream and turns the next reductions into strided ones: 30x
     slower at 4 rows.) Matrix multiplications compute in `gemm_dtype` and round back to x's dtype.
     """
     rows = x.numel() // x.shape[-1]
+    if rows <= lowering.dot_rows and x.dtype == weight.dtype == torch.bfloat16:
+        out = rows_matvec_bf16(x.reshape(rows, x.shape[-1]), weight)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     if rows > lowering.matvec_rows:
         gemm_dtype = lowering.gemm_dtype or x.dtype
         if gemm_dtype != x.dtype:
