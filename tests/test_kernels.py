@@ -108,17 +108,43 @@ def test_fake_kernel_names_bad_operands():
 
 def test_bf16_decode_lowering_uses_the_kernel_up_to_four_rows(monkeypatch):
     fp32 = BACKEND.lowering(torch.float32, batch_size=4)
-    assert fp32.dot_rows == 0 and fp32.packed_rows == 4
+    assert fp32.dot_rows == 0 and fp32.packed_rows == 4 and not fp32.uses_dot_kernel(1, 64, torch.bfloat16)
     if BACKEND.has_bf16_dot_kernel():
         for batch in (1, 4):
             lowering = BACKEND.lowering(torch.bfloat16, batch_size=batch)
-            assert lowering.dot_rows == 4 and lowering.packed_rows == 0 and lowering.for_layers() == lowering
+            assert lowering.dot_rows == 4 and lowering.for_layers().dot_rows == 4
+            assert lowering.uses_dot_kernel(batch, 1536, torch.bfloat16)  # 4 rows of 1536: 12 KiB
+            assert not lowering.uses_dot_kernel(batch, 1536, torch.float32)
             assert "avx512_bf16" in BACKEND.target(lowering).split()
-        # More rows than the kernel takes: oneDNN on packed weights, which the kernel could not read
+        assert not lowering.uses_dot_kernel(4, 2048, torch.bfloat16)  # 16 KiB of input rows: oneDNN's
+        assert lowering.uses_dot_kernel(1, 5632, torch.bfloat16)  # 11 KiB
         wide = BACKEND.lowering(torch.bfloat16, batch_size=8)
-        assert wide.packed_rows == 8 and wide.for_layers().dot_rows == 0
+        assert wide.packed_rows == 8 and not wide.uses_dot_kernel(8, 64, torch.bfloat16)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     assert BACKEND.lowering(torch.bfloat16, batch_size=1).dot_rows == 0
+
+
+@pytest.mark.parametrize("hidden, intermediate, packed", [
+    (576, 1536, []),  # SmolLM2: every projection's 4 input rows fit (12 KiB at most)
+    (576, 3072, ["down_proj"]),  # a wider MLP: the down projection's 24 KiB do not
+])
+def test_weights_the_kernel_reads_are_never_packed(hidden, intermediate, packed):
+    # At batch 4 a bf16 export packs for oneDNN only the weights the kernel does not read: the kernel needs them
+    # plain. (Built on the meta device: no memory.)
+    from optimum_neuronx.modeling.decoder import DecoderSpec, StaticDecoder
+
+    spec = DecoderSpec(vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_layers=2,
+                       num_heads=hidden // 64, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, hidden_act="silu",
+                       qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, tie_word_embeddings=False,
+                       rope_inv_freq=(1.0,) * 32, rope_attention_scaling=1.0)
+    lowering = Lowering(dot_rows=4, dot_input_bytes=12288, onednn=True, packed_rows=4, matvec_rows=4)
+    with torch.device("meta"):
+        float32 = StaticDecoder(spec, lowering)
+    assert float32.packable_weight_names() == [  # float32: all of them
+        f"layers.{i}.{name}.weight" for i in range(2) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    ] + ["lm_head.weight"]
+    expected = [f"layers.{i}.{name}.weight" for i in range(2) for name in packed]
+    assert float32.to(torch.bfloat16).packable_weight_names() == expected
 
 
 def test_export_needing_the_kernel_refused_on_a_cpu_without_avx512_bf16(monkeypatch):

@@ -36,8 +36,13 @@ X86_FEATURE_PROBES = {
     "amx_tile": "_is_amx_tile_supported",
     "amx_fp16": "_is_amx_fp16_supported",
 }
-# Decode rows up to which bfloat16 projections use our dot-product kernel (it keeps one accumulator per row).
+# Decode rows up to which bfloat16 projections use our dot-product kernel (it keeps one accumulator per row), and
+# how many bytes those input rows may take: the kernel reads them once per weight row, so they must stay in L1
+# next to the streaming weights. 4 rows of 1536 (12 KiB) streamed at 95-98% of one row's speed, of 2048 (16 KiB)
+# at 94% (the 1.1B shape's batch-4 token graph then ran 3% slower than with oneDNN on packed weights), of 5632
+# (45 KiB) at 40% (AMD EPYC, 48 KiB L1).
 DOT_KERNEL_ROWS = 4
+DOT_KERNEL_INPUT_BYTES = 12288
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
 
@@ -85,17 +90,19 @@ class InductorBackend(Backend):
         # dot products (see gemm_dtype); elsewhere the multiply + sum up to 4 rows, and above that the float32
         # GEMM. Decode attention: fused reductions, up to 2x faster than the CPU flash-attention kernel. Prefill
         # attention: 128-token query blocks that skip the keys after them, 10% off a 512-token prefill (1.1B bf16).
-        # bfloat16 decode with avx512_bf16: our dot-product kernel (inductor_kernels.py), which streams the weights
-        # as fast at 4 rows as at 1, where oneDNN spends ~14 us per call outside its kernel (SmolLM2 batch 4: a
-        # fifth of the step) and the multiply + sum spends 40 instructions per 64-byte line.
+        # bfloat16 decode with avx512_bf16: our dot-product kernel (inductor_kernels.py) for the projections whose
+        # input rows stay in cache (DOT_KERNEL_INPUT_BYTES), which it streams at 4 rows nearly as fast as at 1,
+        # where oneDNN spends ~14 us per call outside its kernel (SmolLM2 batch 4: a fifth of the step) and the
+        # multiply + sum spends 40 instructions per 64-byte line. The other weights are packed for oneDNN.
         if not dtype.is_floating_point:
             return Lowering(gemm_dtype=self.gemm_dtype(dtype))
         gemm_dtype = self.gemm_dtype(dtype)
         onednn = gemm_dtype == dtype and torch.backends.mkldnn.is_available()
         dot_rows = DOT_KERNEL_ROWS if dtype == torch.bfloat16 and self.has_bf16_dot_kernel() else 0
-        packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
-        return Lowering(dot_rows=dot_rows, matvec_rows=4, gemm_dtype=gemm_dtype, onednn=onednn,
-                        packed_rows=packed_rows, attention_tokens=1, causal_block=128)
+        packed_rows = batch_size if onednn and batch_size > 1 else 0
+        return Lowering(dot_rows=dot_rows, dot_input_bytes=DOT_KERNEL_INPUT_BYTES if dot_rows else 0, matvec_rows=4,
+                        gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
+                        causal_block=128)
 
     def has_bf16_dot_kernel(self) -> bool:
         """Whether this machine can compile and run `rows_matvec_bf16`'s kernel (avx512_bf16, GCC or Clang)."""

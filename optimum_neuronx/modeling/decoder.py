@@ -69,13 +69,15 @@ class DecoderSpec:
 class Lowering:
     """How the decoder's projections and decode attention are computed; chosen by the backend for each export.
 
-    dot_rows: bfloat16 projections over at most this many rows are `rows_matvec_bf16` (ops.py), for which the
-        backend compiles its own kernel.
+    dot_rows, dot_input_bytes: bfloat16 projections over at most `dot_rows` rows whose input rows take at most
+        `dot_input_bytes` are `rows_matvec_bf16` (ops.py), for which the backend compiles its own kernel
+        (`uses_dot_kernel`). The kernel reads the input rows once per weight row: they must stay in cache.
     matvec_rows: other projections over at most this many rows are one multiply + sum per row (`project`).
     gemm_dtype: dtype the other projections compute in (None: the input's).
     onednn: the other projections go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`).
-    packed_rows: when > 0 (with onednn), the projection weights (layers, untied LM head) may be reordered at
-        load into oneDNN's blocked layout for this many rows; the graphs then never read them as plain tensors.
+    packed_rows: when > 0 (with onednn), the projection weights (layers, untied LM head) that the dot kernel
+        does not read at this many rows may be reordered at load into oneDNN's blocked layout for this many rows
+        (`StaticDecoder.packable_weight_names`); the graphs then never read those as plain tensors.
     attention_tokens: attention for at most this many new tokens per sequence (decode) is multiply + sum
         reductions over the cache, which Inductor fuses (`reduced_attention`); longer queries use SDPA.
     causal_block: when > 0, context attention runs SDPA per block of this many query tokens, each against only
@@ -83,6 +85,7 @@ class Lowering:
     """
 
     dot_rows: int = 0
+    dot_input_bytes: int = 0
     matvec_rows: int = 0
     gemm_dtype: torch.dtype | None = None
     onednn: bool = False
@@ -90,10 +93,13 @@ class Lowering:
     attention_tokens: int = 0
     causal_block: int = 0
 
+    def uses_dot_kernel(self, rows: int, in_features: int, dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16 and rows <= self.dot_rows and rows * in_features * 2 <= self.dot_input_bytes
+
     def for_layers(self) -> "Lowering":
-        # Packed weights are opaque to the multiply + sum and the dot kernel: every layer projection goes through
-        # oneDNN.
-        return replace(self, dot_rows=0, matvec_rows=0) if self.packed_rows else self
+        # Packed weights are opaque to the multiply + sum: every layer projection that the dot kernel does not take
+        # goes through oneDNN. (The dot kernel's weights are never packed.)
+        return replace(self, matvec_rows=0) if self.packed_rows else self
 
     def for_lm_head(self, tied: bool) -> "Lowering":
         # A tied LM head is the embedding table, which the embedding lookup reads plainly: never packed. (A
@@ -101,23 +107,23 @@ class Lowering:
         return replace(self, packed_rows=0) if tied else self.for_layers()
 
     def describe(self) -> dict:
-        return {"dot_rows": self.dot_rows, "matvec_rows": self.matvec_rows, "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."),
-                "onednn": self.onednn, "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens,
+        return {"dot_rows": self.dot_rows, "dot_input_bytes": self.dot_input_bytes, "matvec_rows": self.matvec_rows,
+                "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."), "onednn": self.onednn,
+                "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens,
                 "causal_block": self.causal_block}
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lowering: Lowering) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, computed as `lowering` says.
 
-    bfloat16 with at most `dot_rows` rows: `rows_matvec_bf16`. Otherwise, with at most `matvec_rows` rows: one
-    multiply + sum per row. The per-row reductions share their loop over
-    the weight, so the compiled kernel reads each weight row once and keeps one accumulator per input row;
+    bfloat16 within the dot kernel's limits (`Lowering.uses_dot_kernel`): `rows_matvec_bf16`. Otherwise, with at
+    most `matvec_rows` rows: one multiply + sum per row. The per-row reductions share their loop over the weight, so the compiled kernel reads each weight row once and keeps one accumulator per input row;
     results are stacked row-major. (A single [out, rows, in] product instead leaves its result column-major,
     and the layout then spreads to the residual stream and turns the next reductions into strided ones: 30x
     slower at 4 rows.) Matrix multiplications compute in `gemm_dtype` and round back to x's dtype.
     """
     rows = x.numel() // x.shape[-1]
-    if rows <= lowering.dot_rows and x.dtype == weight.dtype == torch.bfloat16:
+    if lowering.uses_dot_kernel(rows, x.shape[-1], x.dtype) and weight.dtype == x.dtype:
         out = rows_matvec_bf16(x.reshape(rows, x.shape[-1]), weight)
         if bias is not None:
             out = out + bias
@@ -312,12 +318,19 @@ class StaticDecoder(nn.Module):
         return [name for name, _ in self.named_parameters()]
 
     def packable_weight_names(self) -> list[str]:
-        """Weights read only by oneDNN's linear, which the runtime may reorder for it (`Lowering.packed_rows`)."""
-        if not self.lowering.packed_rows:
+        """Weights read only by oneDNN's linear, which the runtime may reorder for it (`Lowering.packed_rows`).
+
+        Those of the dot kernel at the token graphs' rows (`packed_rows`, the batch) stay plain: it reads them.
+        """
+        rows, dtype = self.lowering.packed_rows, self.embed_tokens.weight.dtype
+        if not rows:
             return []
-        names = [f"layers.{i}.{name}.weight" for i, layer in enumerate(self.layers)
-                 for name, module in layer.named_children() if isinstance(module, Projection)]
-        return names if self.spec.tie_word_embeddings else names + ["lm_head.weight"]
+        projections = [(f"layers.{i}.{name}.weight", module.in_features) for i, layer in enumerate(self.layers)
+                       for name, module in layer.named_children() if isinstance(module, Projection)]
+        if not self.spec.tie_word_embeddings:
+            projections.append(("lm_head.weight", self.spec.hidden_size))
+        return [name for name, in_features in projections
+                if not self.lowering.uses_dot_kernel(rows, in_features, dtype)]
 
     def forward(self, input_ids, position_ids, cache_start, key_valid, last_index, kv_caches):
         B, T = input_ids.shape
