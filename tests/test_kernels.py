@@ -1,52 +1,56 @@
-"""Our hand-written kernel inside AOTInductor graphs: bfloat16 decode projections (rows_matvec_bf16)."""
+"""Our hand-written kernel inside AOTInductor graphs: bfloat16 and float32 decode projections (rows_matvec)."""
 
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 
 import pytest
 import torch
 
 from optimum_neuronx.backends import get_backend
 from optimum_neuronx.modeling.decoder import Lowering
-from optimum_neuronx.modeling.ops import rows_matvec_bf16
+from optimum_neuronx.modeling.ops import rows_matvec
 
 BACKEND = get_backend("inductor")
-needs_kernel = pytest.mark.skipif(not BACKEND.has_bf16_dot_kernel(),
-                                  reason="rows_matvec_bf16's kernel needs avx512_bf16 and GCC or Clang")
+DTYPES = [torch.bfloat16, torch.float32]
+DOT_ISA = {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: ["avx512"]}  # what exports with it need
 
-# (rows, in, out): one full 32-element line plus a tail, lines only, a tail only (K < 32), more rows than the
-# kernel's 4 accumulators (4 + 1), and an odd output count split between threads.
-SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131)]
+# (rows, in, out), for 64-byte lines of 32 bfloat16 or 16 float32: full lines plus a tail, lines only, a tail only
+# (K < 32), more rows than the kernel's 4 accumulators (4 + 1), output counts that leave a remainder after the
+# blocks of 4 weight rows in each thread's half, and fewer outputs than one block.
+SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3)]
 
 
 class _Projections(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, dtype):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         self.weights = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.randn(out, k, generator=generator).bfloat16(), requires_grad=False)
+            torch.nn.Parameter(torch.randn(out, k, generator=generator).to(dtype), requires_grad=False)
             for _, k, out in SHAPES)
 
     def forward(self, xs, transposed):
-        outs = [rows_matvec_bf16(x, w) for x, w in zip(xs, self.weights)]
+        outs = [rows_matvec(x, w) for x, w in zip(xs, self.weights)]
         # x as a strided view (a row of x is a column of `transposed`): the kernel must follow strides
-        return (*outs, rows_matvec_bf16(transposed.t(), self.weights[0]))
+        return (*outs, rows_matvec(transposed.t(), self.weights[0]))
 
 
-def _inputs():
+def _inputs(dtype):
     generator = torch.Generator().manual_seed(1)
-    xs = [torch.randn(rows, k, generator=generator).bfloat16() for rows, k, _ in SHAPES]
-    return xs, torch.randn(SHAPES[0][1], 3, generator=generator).bfloat16()
+    xs = [torch.randn(rows, k, generator=generator).to(dtype) for rows, k, _ in SHAPES]
+    return xs, torch.randn(SHAPES[0][1], 3, generator=generator).to(dtype)
 
 
-@pytest.fixture(scope="module")
-def kernel_package(tmp_path_factory):
+@pytest.fixture(scope="module", params=DTYPES, ids=["bf16", "fp32"])
+def kernel_package(request, tmp_path_factory):
     from torch._inductor.package import package_aoti
 
     from optimum_neuronx.backends.inductor_kernels import c_shim_options
 
-    module, args = _Projections().eval(), _inputs()
+    if not BACKEND.has_dot_kernel(request.param):
+        pytest.skip(f"rows_matvec's {request.param} kernel needs AVX-512 (bfloat16: avx512_bf16) and GCC or Clang")
+    module, args = _Projections(request.param).eval(), _inputs(request.param)
     program = torch.export.export(module, args, strict=False)
     files = torch._inductor.aot_compile(program.module(), args, options={
         "aot_inductor.package": True, **c_shim_options(dot_rows=4)})
@@ -54,33 +58,38 @@ def kernel_package(tmp_path_factory):
 
 
 def _expected(module, args):
-    # float32 sums of the same bfloat16 numbers, rounded once: the kernel may differ only in summation order
+    # float64 sums of the same numbers, rounded once: the kernel (float32 sums) may differ only in rounding
     xs, transposed = args
     pairs = [*zip(xs, module.weights), (transposed.t(), module.weights[0])]
-    return [torch.nn.functional.linear(x.float(), w.float()).bfloat16() for x, w in pairs]
+    return [torch.nn.functional.linear(x.double(), w.double()).to(x.dtype) for x, w in pairs]
 
 
-@needs_kernel
-def test_kernel_matches_float32_sums_rounded_once(kernel_package):
+def _assert_close(out, expected):
+    if out.dtype == torch.bfloat16:  # one bfloat16 rounding step apart at most
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+    else:  # float32 sums of up to 576 products of unit normals, in another order
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_matches_sums_rounded_once(kernel_package):
     from torch._inductor.package import load_package
 
     path, module, args = kernel_package
     outs = load_package(path)(*args)
+    assert len(outs) == len(SHAPES) + 1
     for out, expected, eager in zip(outs, _expected(module, args), module(*args)):
-        assert out.dtype == torch.bfloat16 and out.shape == expected.shape
-        # one bfloat16 rounding step apart at most (a float32 sum in another order can round the other way)
-        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
-        torch.testing.assert_close(out.float(), eager.float(), rtol=2 ** -7, atol=1e-3)
+        assert out.dtype == expected.dtype and out.shape == expected.shape
+        _assert_close(out, expected)
+        _assert_close(out, eager)
 
 
-@needs_kernel
 def test_graph_carries_the_kernel_and_runs_without_our_package(kernel_package, tmp_path):
     # The wrapper calls the kernel as a C function compiled into it, not through the dispatcher: a process that
     # never imported optimum_neuronx (so the op is not registered) runs the graph.
     path, module, args = kernel_package
     with zipfile.ZipFile(path) as package:
         wrapper = next(package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_rows_matvec_bf16(") == len(SHAPES) + 2  # definition + one call per use
+    assert wrapper.count("aoti_torch_cpu_rows_matvec(") == len(SHAPES) + 2  # definition + one call per use
     assert "proxy_executor_call_function" not in wrapper and "call_dispatcher" not in wrapper
     xs, transposed = args
     torch.save([*xs, transposed], tmp_path / "inputs.pt")
@@ -94,43 +103,47 @@ def test_graph_carries_the_kernel_and_runs_without_our_package(kernel_package, t
                              str(tmp_path / "outputs.pt")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     for out, expected in zip(torch.load(tmp_path / "outputs.pt"), _expected(module, args)):
-        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+        _assert_close(out, expected)
 
 
 def test_fake_kernel_names_bad_operands():
     with torch._subclasses.FakeTensorMode():
         x, weight = torch.empty(2, 8, dtype=torch.bfloat16), torch.empty(5, 9, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=r"x \[R, K\] and weight \[N, K\]; got \(2, 8\) and \(5, 9\)"):
-            rows_matvec_bf16(x, weight)
-        with pytest.raises(ValueError, match=r"bfloat16 tensors; got torch.float32"):
-            rows_matvec_bf16(x.float(), weight[:, :8])
+            rows_matvec(x, weight)
+        with pytest.raises(ValueError, match=r"two bfloat16 or two float32 tensors; got torch.float32 and "
+                                             r"torch.bfloat16"):
+            rows_matvec(x.float(), weight[:, :8])
+        with pytest.raises(ValueError, match=r"got torch.float16 and torch.float16"):
+            rows_matvec(x.half(), weight[:, :8].half())
 
 
-def test_bf16_decode_lowering_uses_the_kernel_up_to_four_rows(monkeypatch):
-    fp32 = BACKEND.lowering(torch.float32, batch_size=4)
-    assert fp32.dot_rows == 0 and fp32.packed_rows == 4 and not fp32.uses_dot_kernel(1, 64, torch.bfloat16)
-    if BACKEND.has_bf16_dot_kernel():
-        for batch in (1, 4):
-            lowering = BACKEND.lowering(torch.bfloat16, batch_size=batch)
-            assert lowering.dot_rows == 4 and lowering.for_layers().dot_rows == 4
-            assert lowering.uses_dot_kernel(batch, 1536, torch.bfloat16)  # 4 rows of 1536: 12 KiB
-            assert not lowering.uses_dot_kernel(batch, 1536, torch.float32)
-            assert "avx512_bf16" in BACKEND.target(lowering).split()
-        assert not lowering.uses_dot_kernel(4, 2048, torch.bfloat16)  # 16 KiB of input rows: oneDNN's
-        assert lowering.uses_dot_kernel(1, 5632, torch.bfloat16)  # 11 KiB
-        wide = BACKEND.lowering(torch.bfloat16, batch_size=8)
-        assert wide.packed_rows == 8 and not wide.uses_dot_kernel(8, 64, torch.bfloat16)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    assert BACKEND.lowering(torch.bfloat16, batch_size=1).dot_rows == 0
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_decode_lowering_uses_the_kernel_up_to_four_rows_in_12_kib(dtype, monkeypatch):
+    if not BACKEND.has_dot_kernel(dtype):
+        pytest.skip(f"no {dtype} dot kernel on this machine")
+    fits = 12288 // (4 * dtype.itemsize)  # 4 rows of this many inputs take 12 KiB: 1536 bf16, 768 fp32
+    for batch in (1, 4):
+        lowering = BACKEND.lowering(dtype, batch_size=batch)
+        assert lowering.dot_rows == 4 and lowering.for_layers().dot_rows == 4
+        assert lowering.uses_dot_kernel(batch, fits, dtype) and lowering.uses_dot_kernel(batch, 576, dtype)
+        assert not lowering.uses_dot_kernel(batch, 64, torch.float16)
+        assert set(DOT_ISA[dtype]) <= set(BACKEND.target(lowering, dtype).split())
+    assert not lowering.uses_dot_kernel(4, fits + 1, dtype)  # input rows past 12 KiB: oneDNN's
+    assert lowering.uses_dot_kernel(1, 4 * fits, dtype)
+    wide = BACKEND.lowering(dtype, batch_size=8)
+    assert wide.packed_rows == 8 and not wide.uses_dot_kernel(8, 64, dtype)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    assert BACKEND.lowering(dtype, batch_size=1).dot_rows == 0
 
 
-@pytest.mark.parametrize("hidden, intermediate, packed", [
-    (576, 1536, []),  # SmolLM2: every projection's 4 input rows fit (12 KiB at most)
-    (576, 3072, ["down_proj"]),  # a wider MLP: the down projection's 24 KiB do not
+@pytest.mark.parametrize("hidden, intermediate, packed_bf16, packed_fp32", [
+    (576, 1536, [], ["down_proj"]),  # SmolLM2: 4 rows of 1536 fit at bfloat16 (12 KiB), not at float32 (24 KiB)
+    (576, 3072, ["down_proj"], ["down_proj"]),  # a wider MLP: the down projection's input rows do not fit
 ])
-def test_weights_the_kernel_reads_are_never_packed(hidden, intermediate, packed):
-    # At batch 4 a bf16 export packs for oneDNN only the weights the kernel does not read: the kernel needs them
-    # plain. (Built on the meta device: no memory.)
+def test_weights_the_kernel_reads_are_never_packed(hidden, intermediate, packed_bf16, packed_fp32):
+    # At batch 4 an export packs for oneDNN only the weights the kernel does not read: the kernel needs them plain.
+    # (Built on the meta device: no memory.)
     from optimum_neuronx.modeling.decoder import DecoderSpec, StaticDecoder
 
     spec = DecoderSpec(vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_layers=2,
@@ -139,17 +152,19 @@ def test_weights_the_kernel_reads_are_never_packed(hidden, intermediate, packed)
                        rope_inv_freq=(1.0,) * 32, rope_attention_scaling=1.0)
     lowering = Lowering(dot_rows=4, dot_input_bytes=12288, onednn=True, packed_rows=4, matvec_rows=4)
     with torch.device("meta"):
-        float32 = StaticDecoder(spec, lowering)
-    assert float32.packable_weight_names() == [  # float32: all of them
+        decoder, without_kernel = StaticDecoder(spec, lowering), StaticDecoder(spec, replace(lowering, dot_rows=0))
+    for dtype, packed in ((torch.float32, packed_fp32), (torch.bfloat16, packed_bf16)):
+        expected = [f"layers.{i}.{name}.weight" for i in range(2) for name in packed]
+        assert decoder.to(dtype).packable_weight_names() == expected  # (the LM head's 576 inputs fit)
+    assert without_kernel.packable_weight_names() == [
         f"layers.{i}.{name}.weight" for i in range(2) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     ] + ["lm_head.weight"]
-    expected = [f"layers.{i}.{name}.weight" for i in range(2) for name in packed]
-    assert float32.to(torch.bfloat16).packable_weight_names() == expected
 
 
-def test_export_needing_the_kernel_refused_on_a_cpu_without_avx512_bf16(monkeypatch):
-    target = BACKEND.target(Lowering(dot_rows=4))
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+@pytest.mark.parametrize("dtype, lacking", [(torch.bfloat16, "avx512_bf16"), (torch.float32, "avx512")])
+def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(dtype, lacking, monkeypatch):
+    target = BACKEND.target(Lowering(dot_rows=4), dtype)
+    assert lacking in target.split()
+    monkeypatch.setattr(torch.cpu, f"_is_{lacking}_supported", lambda: False)
     reason = BACKEND.missing_target_support(target)
-    assert "lacks avx512_bf16" in reason, reason
-
+    assert f"lacks {lacking}" in reason, reason

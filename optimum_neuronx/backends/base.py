@@ -57,9 +57,9 @@ class Backend(ABC):
         """Code-generation choices of this backend beyond the lowering (stamped: a change recompiles)."""
         return {}
 
-    def target(self, lowering: Lowering | None = None) -> str:
-        """What graphs compiled with `lowering` need of the machine that runs them (stamped in the export and the
-        cache key)."""
+    def target(self, lowering: Lowering | None = None, dtype: torch.dtype | None = None) -> str:
+        """What graphs compiled with `lowering` for weights of `dtype` need of the machine that runs them (stamped
+        in the export and the cache key)."""
         return ""
 
     def missing_target_support(self, target: str) -> str:

@@ -36,13 +36,16 @@ X86_FEATURE_PROBES = {
     "amx_tile": "_is_amx_tile_supported",
     "amx_fp16": "_is_amx_fp16_supported",
 }
-# Decode rows up to which bfloat16 projections use our dot-product kernel (it keeps one accumulator per row), and
-# how many bytes those input rows may take: the kernel reads them once per weight row, so they must stay in L1
-# next to the streaming weights. 4 rows of 1536 (12 KiB) streamed at 95-98% of one row's speed, of 2048 (16 KiB)
-# at 94% (the 1.1B shape's batch-4 token graph then ran 3% slower than with oneDNN on packed weights), of 5632
-# (45 KiB) at 40% (AMD EPYC, 48 KiB L1).
+# Decode rows up to which projections use our dot-product kernel (it keeps one accumulator per row), and how many
+# bytes those input rows may take: the kernel reads them once per block of weight rows, so they must stay in L1
+# next to the streaming weights. Measured in bfloat16, one weight row at a time: 4 rows of 1536 (12 KiB) streamed
+# at 95-98% of one row's speed, of 2048 (16 KiB) at 94% (the 1.1B shape's batch-4 token graph then ran 3% slower
+# than with oneDNN on packed weights), of 5632 (45 KiB) at 40% (AMD EPYC, 48 KiB L1). The same bytes hold for
+# float32 (half the inputs).
 DOT_KERNEL_ROWS = 4
 DOT_KERNEL_INPUT_BYTES = 12288
+# What the dot kernel (kernels/rows_matvec.cpp) needs, per dtype, in X86_FEATURE_PROBES' names.
+DOT_KERNEL_ISA = {torch.bfloat16: ("avx512", "avx512_bf16"), torch.float32: ("avx512",)}
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
 
@@ -90,25 +93,28 @@ class InductorBackend(Backend):
         # dot products (see gemm_dtype); elsewhere the multiply + sum up to 4 rows, and above that the float32
         # GEMM. Decode attention: fused reductions, up to 2x faster than the CPU flash-attention kernel. Prefill
         # attention: 128-token query blocks that skip the keys after them, 10% off a 512-token prefill (1.1B bf16).
-        # bfloat16 decode with avx512_bf16: our dot-product kernel (inductor_kernels.py) for the projections whose
-        # input rows stay in cache (DOT_KERNEL_INPUT_BYTES), which it streams at 4 rows nearly as fast as at 1,
-        # where oneDNN spends ~14 us per call outside its kernel (SmolLM2 batch 4: a fifth of the step) and the
-        # multiply + sum spends 40 instructions per 64-byte line. The other weights are packed for oneDNN.
+        # bfloat16 (with avx512_bf16) and float32 decode on AVX-512: our dot-product kernel (inductor_kernels.py)
+        # for the projections whose input rows stay in cache (DOT_KERNEL_INPUT_BYTES), which it streams at 4 rows
+        # nearly as fast as at 1, where oneDNN spends ~14 us per call outside its kernel (SmolLM2 batch 4: a fifth
+        # of the step) and the multiply + sum spends 40 instructions per 64-byte line of bfloat16. The other
+        # weights are packed for oneDNN.
         if not dtype.is_floating_point:
             return Lowering(gemm_dtype=self.gemm_dtype(dtype))
         gemm_dtype = self.gemm_dtype(dtype)
         onednn = gemm_dtype == dtype and torch.backends.mkldnn.is_available()
-        dot_rows = DOT_KERNEL_ROWS if dtype == torch.bfloat16 and self.has_bf16_dot_kernel() else 0
+        dot_rows = DOT_KERNEL_ROWS if self.has_dot_kernel(dtype) else 0
         packed_rows = batch_size if onednn and batch_size > 1 else 0
         return Lowering(dot_rows=dot_rows, dot_input_bytes=DOT_KERNEL_INPUT_BYTES if dot_rows else 0, matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
                         causal_block=128)
 
-    def has_bf16_dot_kernel(self) -> bool:
-        """Whether this machine can compile and run `rows_matvec_bf16`'s kernel (avx512_bf16, GCC or Clang)."""
+    def has_dot_kernel(self, dtype: torch.dtype) -> bool:
+        """Whether this machine can compile and run `rows_matvec`'s kernel for `dtype` (AVX-512, and avx512_bf16 for
+        bfloat16; GCC or Clang)."""
         from torch._inductor import cpp_builder
 
-        return cpu_has("avx512_bf16") and (cpp_builder.is_gcc() or cpp_builder.is_clang())
+        return (dtype in DOT_KERNEL_ISA and all(cpu_has(feature) for feature in DOT_KERNEL_ISA[dtype])
+                and (cpp_builder.is_gcc() or cpp_builder.is_clang()))
 
     def pack_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
         # oneDNN's blocked layout depends on this CPU and this torch build: reordered at load, never saved.
@@ -129,19 +135,20 @@ class InductorBackend(Backend):
     def codegen_options(self) -> dict:
         return {**codegen_options(), "kernels": kernel_digests()}
 
-    def target(self, lowering: Lowering | None = None) -> str:
+    def target(self, lowering: Lowering | None = None, dtype: torch.dtype | None = None) -> str:
         # The vector instructions Inductor's C++ kernels were compiled for: its ISA for this CPU (e.g. "avx512
-        # avx512_vnni") plus the optional instruction sets it added to the compiler flags, and avx512_bf16 when
-        # the graphs carry our dot-product kernel. gemm_dtype also depends on the compiling CPU, but both of its
-        # choices run anywhere.
+        # avx512_vnni") plus the optional instruction sets it added to the compiler flags, and what our
+        # dot-product kernel needs for `dtype` when the graphs carry it. gemm_dtype also depends on the compiling
+        # CPU, but both of its choices run anywhere.
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         isa = pick_vec_isa()
         flags = isa.build_arch_flags().split() if isa else []
-        extras = [name for flag, name in OPTIONAL_ISA_FLAGS.items() if flag in flags]
-        if lowering is not None and lowering.dot_rows and "avx512_bf16" not in extras:
-            extras.append("avx512_bf16")
-        return " ".join(["cpu", str(isa) if isa else "", *extras]).strip()
+        names = [*(str(isa).split() if isa else []),
+                 *(name for flag, name in OPTIONAL_ISA_FLAGS.items() if flag in flags)]
+        if lowering is not None and lowering.dot_rows:
+            names += [name for name in DOT_KERNEL_ISA.get(dtype, ()) if name not in names]
+        return " ".join(["cpu", *names])
 
     def missing_target_support(self, target: str) -> str:
         features = target.removeprefix("cpu").split()

@@ -22,7 +22,7 @@ from ..modeling import ops  # noqa: F401  (registers torch.ops.optimum_neuronx)
 from .inductor_codegen import ROW_PREFETCH_BYTES
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
-ROWS_MATVEC_BF16 = "rows_matvec_bf16.cpp"
+ROWS_MATVEC = "rows_matvec.cpp"
 
 
 def kernel_source(name: str) -> str:
@@ -30,15 +30,15 @@ def kernel_source(name: str) -> str:
 
 
 def kernel_digests() -> dict:
-    return {name: hashlib.sha256(kernel_source(name).encode()).hexdigest()[:16] for name in (ROWS_MATVEC_BF16,)}
+    return {name: hashlib.sha256(kernel_source(name).encode()).hexdigest()[:16] for name in (ROWS_MATVEC,)}
 
 
 def c_shim_options(dot_rows: int) -> dict:
-    """Inductor options that compile `rows_matvec_bf16` into the graph (when the lowering uses it)."""
+    """Inductor options that compile `rows_matvec` into the graph (when the lowering uses it)."""
     if not dot_rows:
         return {}
     # Inductor writes each string as `extern <string>;` inside an `extern "C" { ... }` block: `extern "C++" { ... }`
     # gives the source its own linkage block, in which the shim function declares itself extern "C".
     source = (f'"C++" {{\n#define OPTIMUM_NEURONX_ROW_PREFETCH_BYTES {ROW_PREFETCH_BYTES}\n'
-              f"{kernel_source(ROWS_MATVEC_BF16)}\n#undef OPTIMUM_NEURONX_ROW_PREFETCH_BYTES\n}}")
-    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.optimum_neuronx.rows_matvec_bf16.default: [source]}}
+              f"{kernel_source(ROWS_MATVEC)}\n#undef OPTIMUM_NEURONX_ROW_PREFETCH_BYTES\n}}")
+    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.optimum_neuronx.rows_matvec.default: [source]}}

@@ -119,7 +119,7 @@ class _Prepared:
 
     def backend_stamp(self) -> dict:
         lowering = self.decoder.lowering
-        return {"version": self.backend.compiler_version(), "target": self.backend.target(lowering),
+        return {"version": self.backend.compiler_version(), "target": self.backend.target(lowering, self.neuron_config.torch_dtype),
                 "lowering": lowering.describe(), "codegen": self.backend.codegen_options(),
                 "packable_weights": self.decoder.packable_weight_names()}
 

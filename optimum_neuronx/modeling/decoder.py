@@ -15,9 +15,9 @@ identical, so the compiler emits them once: compile time no longer grows with th
 Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal). Only the hidden
 state at `last_index` goes through the final norm and the LM head.
 
-How projections and decode attention are computed is the backend's choice (`Lowering`): bfloat16 projections
-over a handful of rows (decode) as the custom op `rows_matvec_bf16` (ops.py), which the inductor backend compiles
-to a bf16 dot-product kernel; other projections over a handful of rows as multiply + sum, which Inductor fuses
+How projections and decode attention are computed is the backend's choice (`Lowering`): bfloat16 and float32
+projections over a handful of rows (decode) as the custom op `rows_matvec` (ops.py), which the inductor backend
+compiles to its own dot-product kernel; other projections over a handful of rows as multiply + sum, which Inductor fuses
 into one streaming reduction over the weight with one accumulator per row; otherwise F.linear, or oneDNN's
 linear, whose weights the runtime may reorder at load into oneDNN's blocked layout (`packed_rows`) - faster at a
 few rows than both of the latter (docs/performance.md).
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import rows_matvec_bf16
+from .ops import ROWS_MATVEC_DTYPES, rows_matvec
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -69,8 +69,8 @@ class DecoderSpec:
 class Lowering:
     """How the decoder's projections and decode attention are computed; chosen by the backend for each export.
 
-    dot_rows, dot_input_bytes: bfloat16 projections over at most `dot_rows` rows whose input rows take at most
-        `dot_input_bytes` are `rows_matvec_bf16` (ops.py), for which the backend compiles its own kernel
+    dot_rows, dot_input_bytes: bfloat16 or float32 projections over at most `dot_rows` rows whose input rows take
+        at most `dot_input_bytes` are `rows_matvec` (ops.py), for which the backend compiles its own kernel
         (`uses_dot_kernel`). The kernel reads the input rows once per weight row: they must stay in cache.
     matvec_rows: other projections over at most this many rows are one multiply + sum per row (`project`).
     gemm_dtype: dtype the other projections compute in (None: the input's).
@@ -94,7 +94,8 @@ class Lowering:
     causal_block: int = 0
 
     def uses_dot_kernel(self, rows: int, in_features: int, dtype: torch.dtype) -> bool:
-        return dtype == torch.bfloat16 and rows <= self.dot_rows and rows * in_features * 2 <= self.dot_input_bytes
+        return (dtype in ROWS_MATVEC_DTYPES and rows <= self.dot_rows
+                and rows * in_features * dtype.itemsize <= self.dot_input_bytes)
 
     def for_layers(self) -> "Lowering":
         # Packed weights are opaque to the multiply + sum: every layer projection that the dot kernel does not take
@@ -116,15 +117,16 @@ class Lowering:
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lowering: Lowering) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, computed as `lowering` says.
 
-    bfloat16 within the dot kernel's limits (`Lowering.uses_dot_kernel`): `rows_matvec_bf16`. Otherwise, with at
-    most `matvec_rows` rows: one multiply + sum per row. The per-row reductions share their loop over the weight, so the compiled kernel reads each weight row once and keeps one accumulator per input row;
-    results are stacked row-major. (A single [out, rows, in] product instead leaves its result column-major,
+    Within the dot kernel's limits (`Lowering.uses_dot_kernel`): `rows_matvec`. Otherwise, with at most
+    `matvec_rows` rows: one multiply + sum per row. The per-row reductions share their loop over the weight, so
+    the compiled kernel reads each weight row once and keeps one accumulator per input row; results are stacked
+    row-major. (A single [out, rows, in] product instead leaves its result column-major,
     and the layout then spreads to the residual stream and turns the next reductions into strided ones: 30x
     slower at 4 rows.) Matrix multiplications compute in `gemm_dtype` and round back to x's dtype.
     """
     rows = x.numel() // x.shape[-1]
     if lowering.uses_dot_kernel(rows, x.shape[-1], x.dtype) and weight.dtype == x.dtype:
-        out = rows_matvec_bf16(x.reshape(rows, x.shape[-1]), weight)
+        out = rows_matvec(x.reshape(rows, x.shape[-1]), weight)
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -2,7 +2,7 @@
 
 Each op is defined by its eager implementation (what every backend without a kernel of its own computes,
 and what torch.export traces through) and a fake one for shapes. The inductor backend compiles
-`rows_matvec_bf16` into its graphs as a hand-written C++ kernel (backends/inductor_kernels.py).
+`rows_matvec` into its graphs as a hand-written C++ kernel (backends/inductor_kernels.py).
 """
 
 from __future__ import annotations
@@ -10,22 +10,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+ROWS_MATVEC_DTYPES = (torch.bfloat16, torch.float32)
 
-@torch.library.custom_op("optimum_neuronx::rows_matvec_bf16", mutates_args=())
-def rows_matvec_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` for a few bfloat16 rows x [R, K] and a dense weight [N, K] -> [R, N] bfloat16.
 
-    Sums in float32, rounded once to bfloat16. Meant for decode, where R is the batch: the compiled kernel reads
+@torch.library.custom_op("optimum_neuronx::rows_matvec", mutates_args=())
+def rows_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` for a few rows x [R, K] and a dense weight [N, K] -> [R, N], both bfloat16 or both
+    float32.
+
+    Sums in float32 (bfloat16: rounded once). Meant for decode, where R is the batch: the compiled kernel reads
     each weight row once for all rows of x.
     """
     return F.linear(x, weight)
 
 
-@rows_matvec_bf16.register_fake
+@rows_matvec.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"rows_matvec_bf16 takes x [R, K] and weight [N, K]; got {tuple(x.shape)} and "
+        raise ValueError(f"rows_matvec takes x [R, K] and weight [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        raise ValueError(f"rows_matvec_bf16 takes bfloat16 tensors; got {x.dtype} and {weight.dtype}")
+    if x.dtype != weight.dtype or x.dtype not in ROWS_MATVEC_DTYPES:
+        raise ValueError(f"rows_matvec takes two bfloat16 or two float32 tensors; got {x.dtype} and {weight.dtype}")
     return x.new_empty(x.shape[0], weight.shape[0])
