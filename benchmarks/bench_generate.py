@@ -250,7 +250,7 @@ def failure_line(stderr: str) -> str:
 # -- roofline ---------------------------------------------------------------------------------------------
 class BandwidthProbe:
     """GB/s over a matrix far beyond caches: a BLAS matrix-vector product, a plain copy, and the compiled
-    multiply + sum our decode graphs use; each `sample()` is the best of `repeats` runs of each (a neighbour on a
+    multiply + sum and dot-product kernel our decode graphs use; each `sample()` is the best of `repeats` runs of each (a neighbour on a
     shared host only ever slows a run down)."""
 
     def __init__(self, dtype: torch.dtype, megabytes: int = 1024):
@@ -259,6 +259,7 @@ class BandwidthProbe:
         self.x = torch.randn(1, cols).to(dtype)
         self.dst = torch.empty_like(self.weight)
         self.reduction = self._decode_reduction()
+        self.dot_kernel = self._dot_kernel()
 
     def _decode_reduction(self):
         """The multiply + sum compiled the way our decode graphs' projections are (software prefetch of the rows
@@ -273,6 +274,29 @@ class BandwidthProbe:
             reduction(self.weight, self.x)
         return reduction
 
+    def _dot_kernel(self):
+        """Our dot-product kernel (`rows_matvec`), which decode runs where this CPU has it: compiled into a one-op
+        AOTInductor graph (the weight an input, not a constant). None where decode does not use it."""
+        from torch._inductor.package import load_package, package_aoti
+
+        from optimum_neuronx.backends import get_backend
+        from optimum_neuronx.backends.inductor_kernels import c_shim_options
+        from optimum_neuronx.modeling.ops import rows_matvec
+
+        if not get_backend("inductor").has_dot_kernel(self.weight.dtype):
+            return None
+
+        class DotKernel(torch.nn.Module):
+            def forward(self, x, weight):
+                return rows_matvec(x, weight)
+
+        args = (self.x, self.weight)
+        program = torch.export.export(DotKernel(), args, strict=False)
+        with tempfile.TemporaryDirectory(prefix="bench-dot-kernel-") as directory:
+            files = torch._inductor.aot_compile(program.module(), args, options={
+                "aot_inductor.package": True, "force_disable_caches": True, **c_shim_options(dot_rows=4)})
+            return load_package(package_aoti(str(Path(directory) / "dot.pt2"), files))
+
     def sample(self, repeats: int = 3) -> dict:
         nbytes = self.weight.numel() * self.weight.dtype.itemsize
 
@@ -280,9 +304,12 @@ class BandwidthProbe:
             fn()
             return traffic / min(_seconds(fn) for _ in range(repeats)) / 1e9
 
-        return {"gemv_gb_s": best_gb_s(lambda: torch.nn.functional.linear(self.x, self.weight), nbytes),
-                "copy_gb_s": best_gb_s(lambda: self.dst.copy_(self.weight), 2 * nbytes),
-                "reduction_gb_s": best_gb_s(lambda: self.reduction(self.weight, self.x), nbytes)}
+        samples = {"gemv_gb_s": best_gb_s(lambda: torch.nn.functional.linear(self.x, self.weight), nbytes),
+                   "copy_gb_s": best_gb_s(lambda: self.dst.copy_(self.weight), 2 * nbytes),
+                   "reduction_gb_s": best_gb_s(lambda: self.reduction(self.weight, self.x), nbytes)}
+        if self.dot_kernel is not None:
+            samples["dot_kernel_gb_s"] = best_gb_s(lambda: self.dot_kernel(self.x, self.weight), nbytes)
+        return samples
 
 
 def bandwidth_summary(samples: list[dict]) -> dict:

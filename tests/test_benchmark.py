@@ -49,6 +49,16 @@ def test_a_failing_or_hung_job_is_recorded_not_raised(bench, tmp_path):
 
 
 def test_bandwidth_probe_reports_each_kernel(bench):
-    sample = bench.BandwidthProbe(torch.bfloat16, megabytes=8).sample(repeats=1)
-    assert set(sample) == {"gemv_gb_s", "copy_gb_s", "reduction_gb_s"}
+    # decode's own dot kernel is probed where decode runs it: a faster loop than the probes would overstate %
+    from optimum_neuronx.backends import get_backend
+
+    probe = bench.BandwidthProbe(torch.bfloat16, megabytes=8)
+    sample = probe.sample(repeats=1)
+    expected = {"gemv_gb_s", "copy_gb_s", "reduction_gb_s"}
+    if get_backend("inductor").has_dot_kernel(torch.bfloat16):
+        expected.add("dot_kernel_gb_s")
+        out = probe.dot_kernel(probe.x, probe.weight)
+        torch.testing.assert_close(out.float(), torch.nn.functional.linear(probe.x.float(), probe.weight.float()),
+                                   rtol=2 ** -7, atol=1e-2)
+    assert set(sample) == expected
     assert all(value > 0 for value in sample.values())
