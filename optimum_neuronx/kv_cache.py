@@ -37,9 +37,9 @@ class DecodeStepInputs:
 
 
 class CacheHandle:
-    """Stands for the on-device cache in `CausalLMOutputWithPast.past_key_values`.
+    """Stands for the on-device cache in `CausalLMOutputWithPast.cache` (`past_key_values` before Transformers 5.24).
 
-    generate hands it back on every step: "past_key_values is the handle returned last" means continue,
+    generate hands it back on every step: "the cache passed is the handle returned last" means continue,
     anything else (None, a fresh DynamicCache) means encode a new context. Deliberately not a
     `transformers.Cache` subclass: an empty one claims to be compileable and generate then builds 4D masks.
     """

@@ -28,6 +28,9 @@ from .exporters.registry import get_export_config
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
 
 logger = logging.getLogger(__name__)
+# Transformers 5.24 renamed the model output's and generate's `past_key_values` to `cache` (the old name still
+# works, with a deprecation warning): use whichever this version has.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 # from_pretrained keyword -> NeuronConfig field.
 NEURON_KWARGS = {
@@ -211,12 +214,14 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             )
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
-                past_key_values=None, use_cache: bool = True, logits_to_keep=None, **kwargs):
-        """Context encoding when `past_key_values` is not our live handle, else one decode step per token.
+                past_key_values=None, use_cache: bool = True, logits_to_keep=None, cache=None, **kwargs):
+        """Context encoding when the cache passed (`cache`, or `past_key_values` before Transformers 5.24) is not
+        our live handle, else one decode step per token.
 
         Positions come from `attention_mask` (left padding); without a mask every row is full.
         Context encoding returns the last position's logits only: [batch, 1, vocab].
         """
+        past_key_values = cache if cache is not None else past_key_values
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}.")
         self._check_batch(input_ids.shape[0], f"batch of {input_ids.shape[0]} sequences")
@@ -231,7 +236,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             logits = self._encode(input_ids, attention_mask)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(logits=logits, past_key_values=self._handle)
+        return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: self._handle})
 
     def _encode(self, input_ids, attention_mask) -> torch.Tensor:
         b, n = input_ids.shape
