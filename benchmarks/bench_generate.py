@@ -250,8 +250,8 @@ def failure_line(stderr: str) -> str:
 # -- roofline ---------------------------------------------------------------------------------------------
 class BandwidthProbe:
     """GB/s over a matrix far beyond caches: a BLAS matrix-vector product, a plain copy, and the compiled
-    multiply + sum and dot-product kernel our decode graphs use; each `sample()` is the best of `repeats` runs of each (a neighbour on a
-    shared host only ever slows a run down)."""
+    multiply + sum and dot-product kernel our decode graphs use; each `sample()` is the best of `repeats` runs
+    of each (a neighbour on a shared host only ever slows a run down)."""
 
     def __init__(self, dtype: torch.dtype, megabytes: int = 1024):
         cols = 4096
