@@ -18,8 +18,10 @@ DOT_ISA = {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: ["avx512"]}
 
 # (rows, in, out), for 64-byte lines of 32 bfloat16 or 16 float32: full lines plus a tail, lines only, a tail only
 # (K < 32), more rows than the kernel's 4 accumulators (4 + 1), output counts that leave a remainder after the
-# blocks of 4 weight rows in each thread's half, and fewer outputs than one block.
-SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3)]
+# blocks of 4 weight rows in each thread's half, and fewer outputs than one block; inputs that leave whole lines
+# and a tail after the steps of several lines (1 row: 4 lines per step, 4 bfloat16 rows: 2).
+SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3), (1, 300, 40),
+          (4, 232, 9)]
 
 
 class _Projections(torch.nn.Module):
