@@ -104,11 +104,11 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
   typename Lines::Vector w[C];
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) {
-    // Weights are read once per step: non-temporal prefetches keep memory busy without evicting anything. One
-    // row: a few KiB ahead (inductor_codegen.py measured the distance for Inductor's own loops). A block: the
-    // next block, front to back, C lines per step (a few KiB ahead in each row pointed into this block).
-    // Several rows of x take longer per line, and there a prefetch into L2 (t2) instead of a non-temporal one
-    // streamed 1.1-1.3x faster (C harness, SmolLM2's projections from memory; one row: no difference).
+    // Weights are read once per step, so prefetches keep memory busy. One row: a few KiB ahead
+    // (inductor_codegen.py measured the distance for Inductor's own loops). A block: the next block, front to
+    // back, C lines per step (a few KiB ahead in each row pointed into this block). The hint: non-temporal at one
+    // row of x (evicts nothing); into L2 (t2) at several, whose slower loop lost non-temporal lines before it
+    // reached them (t2 streamed 1.1-1.3x faster there, C harness, SmolLM2's projections; one row: no difference).
     if (!kTail)
       __builtin_prefetch(C == 1 ? row + i + prefetch_ahead : row + C * k + C * i + c * line, 0, R == 1 ? 0 : 1);
     w[c] = kTail ? Lines::load_first(row + c * k + i, k - i) : Lines::load(row + c * k + i);
