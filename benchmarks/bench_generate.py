@@ -4,7 +4,9 @@ compiled graphs, side by side in one run on the same prompts, with the machine's
     python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt: under 5 min on 2 cores
     python benchmarks/bench_generate.py             # + bf16, batch 4, 512-token prompts, TinyLlama-1.1B shape
 
-Each (model, dtype, system) runs in its own subprocess, so peak RSS is per system. Time to first token
+Each (model, dtype, system, batch size) runs in its own subprocess, so peak RSS is per system and batch size;
+the batch sizes of one system take turns, one phase at a time, so their decode repeats alternate and the
+ratio between them compares the same minutes. Time to first token
 (generate with max_new_tokens=1) for each --prompt-tokens length (random token prompts) at the smallest
 batch size; per batch size, decode tokens/s on the shortest prompt ((N - 1) new tokens per row over the
 time a generation of N takes beyond the first token, all rows counted), median of --repeats runs after a
@@ -20,6 +22,8 @@ results.json, results.md and results.png to --output-dir.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import logging
 import os
@@ -39,9 +43,11 @@ import torch
 from optimum_neuronx.configuration import TORCH_DTYPES
 
 SYSTEMS = ("transformers eager", "transformers static+compile", "optimum-neuronx (inductor)")
-# A job prints this line (and the batch size) and waits for one line on stdin while its parent samples the
+# A job prints this line and waits for one line on stdin while its parent samples the
 # memory bandwidth: the bound is measured around the very repeats it bounds, by a process that is not timed.
 PROBE_REQUEST = "@@bandwidth-probe"
+# A job prints this line and waits for one on stdin before each phase it times (see request_turn).
+TURN_REQUEST = "@@turn"
 TINYLLAMA_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
 
@@ -87,23 +93,34 @@ def _timed(model, inputs, new_tokens: int, **extra) -> float:
     return seconds
 
 
-def request_probe(batch_size: int) -> None:
-    print(PROBE_REQUEST, batch_size, flush=True)
+def request_probe() -> None:
+    print(PROBE_REQUEST, flush=True)
     sys.stdin.readline()
 
 
-def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: None, **extra) -> dict:
+def request_turn() -> None:
+    """Wait until the parent lets this job run. The batch sizes of one system run in processes of their own that
+    take turns (load + warm-up + TTFT, then one decode repeat per turn), so their decode repeats alternate and
+    the batch-4 / batch-1 ratio compares the same minutes of a host whose bandwidth drifts."""
+    print(TURN_REQUEST, flush=True)
+    sys.stdin.readline()
+
+
+def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: None, turn=lambda: None,
+            **extra) -> dict:
     """`inputs`: prompt length -> inputs; decode is timed on the shortest prompt, TTFT on each. `probe()` runs
-    before and after every timed decode repeat."""
+    before and after every timed decode repeat; `turn()` before each repeat."""
     shortest = inputs[min(inputs)]
     _timed(model, shortest, new_tokens, **extra)  # warm-up (and, for torch.compile, compilation)
     ttft = {}
     for length, prompt in inputs.items():
         _timed(model, prompt, 1, **extra)
         ttft[length] = statistics.median(_timed(model, prompt, 1, **extra) for _ in range(repeats))
-    probe()
     totals = []
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        turn()
+        if repeat == 0:
+            probe()
         totals.append(_timed(model, shortest, new_tokens, **extra))
         probe()
     rows = shortest["input_ids"].shape[0]
@@ -128,7 +145,8 @@ def export_for_batch(job: dict, batch_size: int, prompts: list[int]) -> Path:
 
 
 def greedy_matches_eager(model, job: dict, batch_size: int) -> str:
-    """A fast wrong model is worthless: greedy tokens against eager's at the same dtype, with the verdict of
+    """A fast wrong model is worthless: greedy tokens (16, or --new-tokens if fewer: the export's sequence length is
+    sized for those) against eager's at the same dtype, with the verdict of
     `optimum-cli neuron verify` ("yes", "NO", or in half precision "near-tie": differing only at rounding-level
     ties, see optimum_neuronx.verification.Comparison)."""
     from transformers import AutoModelForCausalLM
@@ -138,62 +156,52 @@ def greedy_matches_eager(model, job: dict, batch_size: int) -> str:
     checkpoint, dtype = Path(job["checkpoint"]), TORCH_DTYPES[job["dtype"]]
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
     inputs = prompt_inputs(checkpoint, batch_size, min(job["prompt_tokens"]), model.config.vocab_size)
-    return compare_generation(reference, model, **inputs, max_new_tokens=16).verdict
+    return compare_generation(reference, model, **inputs, max_new_tokens=min(16, job["new_tokens"])).verdict
+
+
+def timed_prompts(prompts: list[int], batch_size: int, batch_sizes: list[int]) -> list[int]:
+    """Time to first token for every prompt length at the smallest batch; larger batches time decode only."""
+    return sorted(prompts) if batch_size == min(batch_sizes) else sorted(prompts)[:1]
 
 
 def run_system(job: dict) -> dict:
+    """One system at one batch size (or, with export_only, our exports for every batch size)."""
     from transformers import AutoModelForCausalLM
 
     from optimum_neuronx import NeuronModelForCausalLM
 
     torch.set_num_threads(job["threads"])
+    request_turn()  # loading, warm-up and time to first token run in this job's first turn
     checkpoint, dtype, system = Path(job["checkpoint"]), job["dtype"], job["system"]
-    prompts = sorted(job["prompt_tokens"])
-    smallest_batch = min(job["batch_sizes"])
-    out: dict = {"batches": {}}
-    extra = {}
     if job.get("export_only"):  # compile in a process of its own, so peak RSS below is the serving process's
         for batch_size in job["batch_sizes"]:
-            export_for_batch(job, batch_size, prompts if batch_size == smallest_batch else prompts[:1])
-        return out
-    if system != "optimum-neuronx (inductor)":
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).eval()
-        if system == "transformers static+compile":
-            # Transformers' own auto-compile in generate is GPU-only: compile the forward explicitly.
-            model.forward = torch.compile(model.forward)
-            extra = {"cache_implementation": "static"}
-    for batch_size in job["batch_sizes"]:
-        # Time to first token for every prompt length at the smallest batch; larger batches time decode only.
-        timed_prompts = prompts if batch_size == smallest_batch else prompts[:1]
-        reset_peak_rss()  # the previous batch size's greedy check held a reference model too
-        result: dict = {}
-        try:
-            if system == "optimum-neuronx (inductor)":
-                export_dir = export_for_batch(job, batch_size, timed_prompts)
-                start = time.perf_counter()
-                model = NeuronModelForCausalLM.from_pretrained(export_dir)
-                result["reload_s"] = time.perf_counter() - start
-                result["compile_s_per_graph"] = json.loads(
-                    (export_dir / "neuron_config.json").read_text())["compile_time_s"]
-            inputs = {n: prompt_inputs(checkpoint, batch_size, n, model.config.vocab_size) for n in timed_prompts}
-            probe = (lambda: request_probe(batch_size)) if job.get("probe") else (lambda: None)
-            result.update(measure(model, inputs, job["new_tokens"], job["repeats"], probe, **extra))
-            result["peak_rss_gib"] = peak_rss_gib()  # before the check below loads a reference model
-            if system == "optimum-neuronx (inductor)":
-                result["greedy_tokens_match"] = greedy_matches_eager(model, job, batch_size)
-                del model
-        except Exception as err:  # record, don't hide, a system that does not work here
-            result = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
-        out["batches"][batch_size] = result
-    return out
-
-
-def reset_peak_rss() -> None:
-    """Restart VmHWM at the current RSS (Linux >= 4.0); elsewhere peaks accumulate over the job."""
+            export_for_batch(job, batch_size, timed_prompts(job["prompt_tokens"], batch_size, job["batch_sizes"]))
+        return {}
+    batch_size, prompts = job["batch_size"], sorted(job["prompt_tokens"])
+    result: dict = {}
+    extra = {}
     try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
+        if system == "optimum-neuronx (inductor)":
+            export_dir = export_for_batch(job, batch_size, prompts)
+            start = time.perf_counter()
+            model = NeuronModelForCausalLM.from_pretrained(export_dir)
+            result["reload_s"] = time.perf_counter() - start
+            result["compile_s_per_graph"] = json.loads((export_dir / "neuron_config.json").read_text())["compile_time_s"]
+        else:
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).eval()
+            if system == "transformers static+compile":
+                # Transformers' own auto-compile in generate is GPU-only: compile the forward explicitly.
+                model.forward = torch.compile(model.forward)
+                extra = {"cache_implementation": "static"}
+        inputs = {n: prompt_inputs(checkpoint, batch_size, n, model.config.vocab_size) for n in prompts}
+        probe = request_probe if job.get("probe") else (lambda: None)
+        result.update(measure(model, inputs, job["new_tokens"], job["repeats"], probe, request_turn, **extra))
+        result["peak_rss_gib"] = peak_rss_gib()  # before the check below loads a reference model
+        if system == "optimum-neuronx (inductor)":
+            result["greedy_tokens_match"] = greedy_matches_eager(model, job, batch_size)
+    except Exception as err:  # record, don't hide, a system that does not work here
+        result = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+    return result
 
 
 def peak_rss_gib() -> float:
@@ -205,39 +213,85 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def run_job(job: dict, timeout: float, probe=None) -> dict:
-    """One system in a subprocess; a crash or a timeout is recorded as that system's result, not raised.
-    `probe()` answers the job's bandwidth requests; its samples land in each batch's result as "bandwidth"."""
-    samples: dict[str, list] = {}
-    with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: a chatty job can't fill it and block
-        proc = subprocess.Popen([sys.executable, __file__, "--job", json.dumps(dict(job, probe=probe is not None))],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-        timer = threading.Timer(timeout, proc.kill)
+def run_jobs(jobs: list[dict], timeout: float, probe=None) -> list[dict]:
+    """Each job in a subprocess of its own; they take turns (see request_turn): one runs while the others wait on a
+    pipe. A crash or a timeout (`timeout` seconds for all of them) is recorded as that job's result, not raised.
+    `probe()` answers the jobs' bandwidth requests; a job's samples land in its result as "bandwidth"."""
+    with contextlib.ExitStack() as stack:
+        procs, stderrs = [], []
+        for job in jobs:
+            # stderr to a file, not a pipe: a chatty job can't fill it and block
+            stderrs.append(stack.enter_context(tempfile.TemporaryFile("w+")))
+            procs.append(subprocess.Popen(
+                [sys.executable, __file__, "--job", json.dumps(dict(job, probe=probe is not None))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderrs[-1], text=True,
+                env=dict(os.environ, TOKENIZERS_PARALLELISM="false")))
+        timer = threading.Timer(timeout, lambda: [proc.kill() for proc in procs])
         timer.start()
-        last = ""
-        try:
-            for line in proc.stdout:
+        samples: list[list] = [[] for _ in jobs]
+        last = [""] * len(jobs)
+
+        def run_until_turn_ends(i: int) -> bool:
+            """Read job i's output until it asks for its next turn (True) or exits (False)."""
+            for line in iter(procs[i].stdout.readline, ""):
+                if line.startswith(TURN_REQUEST):
+                    return True
                 if line.startswith(PROBE_REQUEST):
-                    samples.setdefault(line.split()[1], []).append(probe())
-                    proc.stdin.write("\n")
-                    proc.stdin.flush()
+                    samples[i].append(probe())
+                    release(procs[i])
                 elif line.strip():
-                    last = line
-            proc.wait()
+                    last[i] = line
+            return False
+
+        try:
+            waiting = collections.deque(i for i in range(len(jobs)) if run_until_turn_ends(i))
+            while waiting:
+                i = waiting.popleft()
+                if release(procs[i]) and run_until_turn_ends(i):
+                    waiting.append(i)
+            for proc in procs:
+                proc.wait()
         finally:
             timed_out = not timer.is_alive()
             timer.cancel()
-        if timed_out:
-            return {"error": f"timed out after {timeout:.0f} s (--job-timeout)"}
-        if proc.returncode != 0:
-            stderr.seek(0)
-            return {"error": f"{failure_line(stderr.read())} (exit {proc.returncode})"[:240]}
-    result = json.loads(last)
-    for batch_size, numbers in result.get("batches", {}).items():
-        if batch_size in samples and "error" not in numbers:
-            numbers["bandwidth"] = bandwidth_summary(samples[batch_size])
-    return result
+            for proc in procs:
+                proc.kill()
+        results = []
+        for i, proc in enumerate(procs):
+            if timed_out:
+                results.append({"error": f"timed out after {timeout:.0f} s (--job-timeout)"})
+            elif proc.returncode != 0:
+                stderrs[i].seek(0)
+                results.append({"error": f"{failure_line(stderrs[i].read())} (exit {proc.returncode})"[:240]})
+            else:
+                results.append(json.loads(last[i]))
+                if samples[i] and "error" not in results[i]:
+                    results[i]["bandwidth"] = bandwidth_summary(samples[i])
+    return results
+
+
+def release(proc: subprocess.Popen) -> bool:
+    """Answer a job waiting on its stdin; False if it is gone (killed by the timeout)."""
+    try:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        return True
+    except BrokenPipeError:
+        return False
+
+
+def run_batches(job: dict, timeout: float, probe=None) -> dict[int, dict]:
+    """One system at each of job["batch_sizes"]: our exports first (compiled in a process of their own, so peak
+    RSS is the serving process's), then one process per batch size, taking turns. Batch size -> its numbers."""
+    batch_sizes = job["batch_sizes"]
+    if job["system"] == "optimum-neuronx (inductor)":
+        exported = run_jobs([dict(job, export_only=True)], timeout)[0]
+        if "error" in exported:
+            return {batch_size: exported for batch_size in batch_sizes}
+    results = run_jobs([dict(job, batch_size=batch_size,
+                             prompt_tokens=timed_prompts(job["prompt_tokens"], batch_size, batch_sizes))
+                        for batch_size in batch_sizes], timeout, probe)
+    return dict(zip(batch_sizes, results))
 
 
 def failure_line(stderr: str) -> str:
@@ -436,21 +490,14 @@ def main():
                                new_tokens=args.new_tokens, repeats=args.repeats, threads=env["threads"])
                     logging.info("running %s %s %s", model_name, dtype, system)
                     start = time.perf_counter()
-                    result = {}
-                    if system == "optimum-neuronx (inductor)":
-                        result = run_job(dict(job, export_only=True), args.job_timeout)
-                    if "error" not in result:
-                        result = run_job(job, args.job_timeout, probe.sample)
-                    if "error" in result:
-                        result = {"batches": {str(b): {"error": result["error"]} for b in args.batch_sizes}}
+                    batches = run_batches(job, args.job_timeout, probe.sample)
                     logging.info("  done in %.0f s", time.perf_counter() - start)
-                    for batch_size, numbers in result.pop("batches").items():
-                        row = dict(model=model_name, dtype=dtype, batch_size=int(batch_size), system=system,
-                                   **numbers, **result)
+                    for batch_size, numbers in batches.items():
+                        row = dict(model=model_name, dtype=dtype, batch_size=batch_size, system=system, **numbers)
                         if "bandwidth" in numbers:
-                            step_bytes = bytes_per_decode_step(checkpoint, dtype, int(batch_size),
+                            step_bytes = bytes_per_decode_step(checkpoint, dtype, batch_size,
                                                                min(args.prompt_tokens) + args.new_tokens // 2)
-                            row["bound_tok_s"] = numbers["bandwidth"]["bound_gb_s"] * 1e9 / step_bytes * int(batch_size)
+                            row["bound_tok_s"] = numbers["bandwidth"]["bound_gb_s"] * 1e9 / step_bytes * batch_size
                         rows.append(row)
                 del probe
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -23,29 +23,42 @@ def eager_job(checkpoint, work, **overrides):
                 batch_sizes=[1, 2], prompt_tokens=[8], new_tokens=4, repeats=2, threads=1, **overrides)
 
 
-def test_bandwidth_is_sampled_around_every_timed_decode_repeat(bench, tiny_checkpoint, tmp_path):
+def test_batch_sizes_take_turns_and_bandwidth_is_sampled_around_every_timed_decode_repeat(
+        bench, tiny_checkpoint, tmp_path):
     samples = []
 
     def probe():  # sample i reads 10 + i GB/s at its fastest
         samples.append({"gemv_gb_s": 1.0, "copy_gb_s": 10.0 + len(samples), "reduction_gb_s": 2.0})
         return samples[-1]
 
-    result = bench.run_job(eager_job(tiny_checkpoint("llama"), tmp_path), timeout=600, probe=probe)
-    assert len(samples) == 2 * 3  # per batch size: before the first repeat and after each of 2
-    for batch_size, first in (("1", 0), ("2", 3)):
-        numbers = result["batches"][batch_size]
-        assert numbers["decode_tok_s"] > 0 and set(numbers["ttft_s"]) == {"8"}
+    result = bench.run_batches(eager_job(tiny_checkpoint("llama"), tmp_path), timeout=600, probe=probe)
+    # Before the first repeat and after each of 2, per batch size; the repeats alternate between the batch sizes:
+    # batch 1 [probe, repeat, probe], batch 2 [probe, repeat, probe], batch 1 [repeat, probe], batch 2 [...].
+    assert len(samples) == 2 * 3
+    for batch_size, taken in ((1, [0, 1, 4]), (2, [2, 3, 5])):
+        numbers = result[batch_size]
+        assert numbers["decode_tok_s"] > 0
+        assert set(numbers["ttft_s"]) == {"8"}
+        assert numbers["peak_rss_gib"] > 0
         bandwidth = numbers["bandwidth"]
-        assert bandwidth["samples"] == samples[first:first + 3]
-        assert bandwidth["bound_gb_s"] == statistics.median(10.0 + i for i in range(first, first + 3))
-        assert (bandwidth["bound_min_gb_s"], bandwidth["bound_max_gb_s"]) == (10.0 + first, 12.0 + first)
+        assert bandwidth["samples"] == [samples[i] for i in taken]
+        assert bandwidth["bound_gb_s"] == statistics.median(10.0 + i for i in taken)
+        assert (bandwidth["bound_min_gb_s"], bandwidth["bound_max_gb_s"]) == (10.0 + taken[0], 10.0 + taken[-1])
+
+
+def test_time_to_first_token_is_timed_at_the_smallest_batch_on_every_prompt(bench):
+    assert bench.timed_prompts([512, 128], 1, [4, 1]) == [128, 512]
+    assert bench.timed_prompts([512, 128], 4, [4, 1]) == [128]
 
 
 def test_a_failing_or_hung_job_is_recorded_not_raised(bench, tmp_path):
-    failed = bench.run_job(eager_job(tmp_path / "missing", tmp_path), timeout=600, probe=lambda: {})
-    assert "exit 1" in failed["error"] and "missing" in failed["error"]
-    hung = bench.run_job(eager_job(tmp_path / "missing", tmp_path), timeout=0.1, probe=lambda: {})
-    assert hung == {"error": "timed out after 0 s (--job-timeout)"}
+    failed = bench.run_batches(eager_job(tmp_path / "missing", tmp_path), timeout=600, probe=lambda: {})
+    assert set(failed) == {1, 2}
+    assert all("missing" in numbers["error"] for numbers in failed.values())
+    crashed = bench.run_jobs([{"not a job": True}], timeout=600)
+    assert "exit 1" in crashed[0]["error"] and "KeyError" in crashed[0]["error"]
+    hung = bench.run_batches(eager_job(tmp_path / "missing", tmp_path), timeout=0.1, probe=lambda: {})
+    assert hung == {1: {"error": "timed out after 0 s (--job-timeout)"}, 2: {"error": "timed out after 0 s (--job-timeout)"}}
 
 
 def test_bandwidth_probe_reports_each_kernel(bench):
