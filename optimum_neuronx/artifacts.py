@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -139,10 +140,41 @@ def load_weights(directory: str | Path, meta: dict) -> dict[str, torch.Tensor]:
         weights = {name: f.get_tensor(name) for name in f.keys() if name not in packable}
     if packable:
         backend, rows = get_backend(meta["neuron_config"]["backend"]), compiler["lowering"]["packed_rows"]
-        for name in sorted(packable):
-            with safe_open(path, framework="pt") as f:
-                weights[name] = backend.pack_weight(f.get_tensor(name), rows)
+        with _reading_ahead(path):
+            for name in sorted(packable):  # file order: safetensors writes tensors sorted by name
+                with safe_open(path, framework="pt") as f:
+                    weights[name] = backend.pack_weight(f.get_tensor(name), rows)
     return weights
+
+
+@contextlib.contextmanager
+def _reading_ahead(path: str, chunk_bytes: int = 64 << 20) -> Iterator[None]:
+    """Have the kernel read `path` front to back in large requests from a thread while the block runs. Packing
+    reads each weight through page faults, in the order the reorder walks it, and waits on each: from storage
+    that is not cached, reading ahead overlaps the disk with the packing (docs/performance.md, reload)."""
+    if not hasattr(os, "posix_fadvise"):  # not on macOS or Windows
+        yield
+        return
+    done = threading.Event()
+
+    def read_ahead() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            for offset in range(0, size, chunk_bytes):
+                if done.is_set():
+                    break
+                os.posix_fadvise(fd, offset, min(chunk_bytes, size - offset), os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+    thread = threading.Thread(target=read_ahead, name="optimum-neuronx-read-ahead", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 @contextlib.contextmanager

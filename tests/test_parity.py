@@ -227,6 +227,30 @@ def test_batched_export_runs_on_packed_weights(compiled_model):
     assert not model._weights["embed_tokens.weight"].is_mkldnn
 
 
+def test_packing_reads_the_weights_file_ahead_front_to_back(tmp_path, monkeypatch):
+    # While packable weights are packed, a thread asks the kernel to read the file ahead in large requests, in file
+    # order, and stops with the packing.
+    import os
+    import threading
+    import time
+
+    from optimum_neuronx import artifacts
+
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise on this platform")
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(bytes(5 * 1024 + 1))
+    calls = []
+    monkeypatch.setattr(artifacts.os, "posix_fadvise", lambda fd, offset, length, advice: calls.append(
+        (offset, length, advice)))
+    with artifacts._reading_ahead(str(path), chunk_bytes=1024):
+        deadline = time.monotonic() + 10
+        while len(calls) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert calls == [(i * 1024, 1024, os.POSIX_FADV_WILLNEED) for i in range(5)] + [(5120, 1, os.POSIX_FADV_WILLNEED)]
+    assert not any(thread.name == "optimum-neuronx-read-ahead" for thread in threading.enumerate())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reduced_attention_matches_sdpa(dtype):
     # Token-generation graphs compute attention as multiply + sum reductions (Lowering.attention_tokens): it
