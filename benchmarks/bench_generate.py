@@ -186,7 +186,8 @@ def run_system(job: dict) -> dict:
             start = time.perf_counter()
             model = NeuronModelForCausalLM.from_pretrained(export_dir)
             result["reload_s"] = time.perf_counter() - start
-            result["compile_s_per_graph"] = json.loads((export_dir / "neuron_config.json").read_text())["compile_time_s"]
+            stamp = json.loads((export_dir / "neuron_config.json").read_text())
+            result["compile_s_per_graph"] = stamp["compile_time_s"]
         else:
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).eval()
             if system == "transformers static+compile":

@@ -58,7 +58,8 @@ def test_a_failing_or_hung_job_is_recorded_not_raised(bench, tmp_path):
     crashed = bench.run_jobs([{"not a job": True}], timeout=600)
     assert "exit 1" in crashed[0]["error"] and "KeyError" in crashed[0]["error"]
     hung = bench.run_batches(eager_job(tmp_path / "missing", tmp_path), timeout=0.1, probe=lambda: {})
-    assert hung == {1: {"error": "timed out after 0 s (--job-timeout)"}, 2: {"error": "timed out after 0 s (--job-timeout)"}}
+    timed_out = {"error": "timed out after 0 s (--job-timeout)"}
+    assert hung == {1: timed_out, 2: timed_out}
 
 
 def test_bandwidth_probe_reports_each_kernel(bench):
