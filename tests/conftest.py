@@ -17,8 +17,8 @@ TINY_COMMON = dict(
     pad_token_id=0,
 )
 TINY_CONFIGS = {
-    # A wide MLP: at batch 3 the down projection's float32 input rows (3 x 1088 x 4 bytes) pass the dot kernel's
-    # 12 KiB, so this export runs both decode paths: the kernel and oneDNN on packed weights.
+    # A wider MLP: at batch 3 the down projection's float32 input rows (3 x 1088 x 4 bytes, 13 KiB) are the widest
+    # the dot kernel reads in these exports (float32: whole rows, in blocks of 4 weight rows).
     "llama": dict(attention_bias=True, intermediate_size=1088,
                   rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -19,9 +19,11 @@ DOT_ISA = {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: ["avx512"]}
 # (rows, in, out), for 64-byte lines of 32 bfloat16 or 16 float32: full lines plus a tail, lines only, a tail only
 # (K < 32), more rows than the kernel's 4 accumulators (4 + 1), output counts that leave a remainder after the
 # blocks of 4 weight rows in each thread's half, and fewer outputs than one block; inputs that leave whole lines
-# and a tail after the steps of several lines (1 row: 4 lines per step, 4 bfloat16 rows: 2).
+# and a tail after the steps of several lines (1 row: 4 lines per step, 4 bfloat16 rows: 2); bfloat16 input rows
+# past the kernel's 24 KiB per piece at 4, 3 and 2 rows (two pieces; the last ends in a tail at 4 rows), and
+# float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB.
 SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3), (1, 300, 40),
-          (4, 232, 9)]
+          (4, 232, 9), (4, 3300, 9), (3, 4200, 7), (2, 6200, 5)]
 
 
 class _Projections(torch.nn.Module):
@@ -69,8 +71,8 @@ def _expected(module, args):
 def _assert_close(out, expected):
     if out.dtype == torch.bfloat16:  # one bfloat16 rounding step apart at most
         torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
-    else:  # float32 sums of up to 576 products of unit normals, in another order
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    else:  # float32 sums of up to 6200 products of unit normals, in another order
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-3)
 
 
 def test_kernel_matches_sums_rounded_once(kernel_package):
@@ -121,46 +123,42 @@ def test_fake_kernel_names_bad_operands():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
-def test_decode_lowering_uses_the_kernel_up_to_four_rows_in_12_kib(dtype, monkeypatch):
+def test_decode_lowering_uses_the_kernel_up_to_four_rows_and_packs_nothing(dtype, monkeypatch):
     if not BACKEND.has_dot_kernel(dtype):
         pytest.skip(f"no {dtype} dot kernel on this machine")
-    fits = 12288 // (4 * dtype.itemsize)  # 4 rows of this many inputs take 12 KiB: 1536 bf16, 768 fp32
     for batch in (1, 4):
         lowering = BACKEND.lowering(dtype, batch_size=batch)
         assert lowering.dot_rows == 4 and lowering.for_layers().dot_rows == 4
-        assert lowering.uses_dot_kernel(batch, fits, dtype) and lowering.uses_dot_kernel(batch, 576, dtype)
-        assert not lowering.uses_dot_kernel(batch, 64, torch.float16)
+        assert lowering.packed_rows == 0  # the kernel reads the weights plain: nothing to reorder at load
+        assert lowering.uses_dot_kernel(batch, dtype) and not lowering.uses_dot_kernel(batch, torch.float16)
         assert set(DOT_ISA[dtype]) <= set(BACKEND.target(lowering, dtype).split())
-    assert not lowering.uses_dot_kernel(4, fits + 1, dtype)  # input rows past 12 KiB: oneDNN's
-    assert lowering.uses_dot_kernel(1, 4 * fits, dtype)
     wide = BACKEND.lowering(dtype, batch_size=8)
-    assert wide.packed_rows == 8 and not wide.uses_dot_kernel(8, 64, dtype)
+    assert not wide.uses_dot_kernel(8, dtype) and wide.uses_dot_kernel(4, dtype)
+    assert wide.packed_rows == (8 if wide.onednn else 0)
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
-    assert BACKEND.lowering(dtype, batch_size=1).dot_rows == 0
+    without = BACKEND.lowering(dtype, batch_size=4)
+    assert without.dot_rows == 0 and without.packed_rows == (4 if without.onednn else 0)
 
 
-@pytest.mark.parametrize("hidden, intermediate, packed_bf16, packed_fp32", [
-    (576, 1536, [], ["down_proj"]),  # SmolLM2: 4 rows of 1536 fit at bfloat16 (12 KiB), not at float32 (24 KiB)
-    (576, 3072, ["down_proj"], ["down_proj"]),  # a wider MLP: the down projection's input rows do not fit
-])
-def test_weights_the_kernel_reads_are_never_packed(hidden, intermediate, packed_bf16, packed_fp32):
-    # At batch 4 an export packs for oneDNN only the weights the kernel does not read: the kernel needs them plain.
-    # (Built on the meta device: no memory.)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_weights_the_kernel_reads_are_never_packed(tied):
+    # An export packs weights for oneDNN at load only when its token graphs' rows (the batch) are past the
+    # kernel's: the kernel reads them plain. (Built on the meta device: no memory.)
     from optimum_neuronx.modeling.decoder import DecoderSpec, StaticDecoder
 
-    spec = DecoderSpec(vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_layers=2,
-                       num_heads=hidden // 64, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, hidden_act="silu",
-                       qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, tie_word_embeddings=False,
+    spec = DecoderSpec(vocab_size=256, hidden_size=576, intermediate_size=3072, num_layers=2, num_heads=9,
+                       num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, hidden_act="silu", qkv_bias=False,
+                       o_bias=False, mlp_bias=False, qk_norm=False, tie_word_embeddings=tied,
                        rope_inv_freq=(1.0,) * 32, rope_attention_scaling=1.0)
-    lowering = Lowering(dot_rows=4, dot_input_bytes=12288, onednn=True, packed_rows=4, matvec_rows=4)
-    with torch.device("meta"):
-        decoder, without_kernel = StaticDecoder(spec, lowering), StaticDecoder(spec, replace(lowering, dot_rows=0))
-    for dtype, packed in ((torch.float32, packed_fp32), (torch.bfloat16, packed_bf16)):
-        expected = [f"layers.{i}.{name}.weight" for i in range(2) for name in packed]
-        assert decoder.to(dtype).packable_weight_names() == expected  # (the LM head's 576 inputs fit)
-    assert without_kernel.packable_weight_names() == [
-        f"layers.{i}.{name}.weight" for i in range(2) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    ] + ["lm_head.weight"]
+    projections = [f"layers.{i}.{name}.weight" for i in range(2)
+                   for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    every = projections if tied else [*projections, "lm_head.weight"]  # a tied head is the embedding: plain
+    for dtype in (torch.float32, torch.bfloat16):
+        for dot_rows, packed_rows, packed in ((4, 4, []), (4, 8, every), (0, 4, every), (4, 0, [])):
+            lowering = Lowering(dot_rows=dot_rows, onednn=True, packed_rows=packed_rows, matvec_rows=4)
+            with torch.device("meta"):
+                decoder = StaticDecoder(spec, lowering).to(dtype)
+            assert decoder.packable_weight_names() == packed, (dtype, dot_rows, packed_rows)
 
 
 @pytest.mark.parametrize("dtype, lacking", [(torch.bfloat16, "avx512_bf16"), (torch.float32, "avx512")])

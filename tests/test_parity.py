@@ -183,15 +183,14 @@ def test_half_precision_gemm_upcasts_only_without_native_support(monkeypatch, na
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 4, 9])
 def test_projection_with_packed_weight_matches_linear(rows, dtype):
-    # Exports with batch > 1 run the layer projections that the bf16 dot kernel does not take through oneDNN with
-    # the weight reordered at load (packed): whatever the row count, the result is F.linear's. (Compiled: the
-    # exported parity tests.)
+    # Exports with a batch past the dot kernel's rows (or without it) run the layer projections through oneDNN
+    # with the weight reordered at load (packed): whatever the row count, the result is F.linear's. (Compiled: the
+    # batch-5 export below.)
     from optimum_neuronx.backends import get_backend
     from optimum_neuronx.modeling.decoder import project
 
     backend = get_backend("inductor")
-    # (the dot kernel never reads a packed weight: packable_weight_names leaves its weights out)
-    lowering = replace(backend.lowering(dtype, batch_size=4).for_layers(), dot_rows=0)
+    lowering = replace(backend.lowering(dtype, batch_size=8).for_layers(), dot_rows=0)
     if not lowering.packed_rows:
         pytest.skip(f"this CPU has no native {dtype} dot products: no oneDNN path")
     assert lowering.onednn and lowering.matvec_rows == 0
@@ -209,22 +208,35 @@ def test_projection_with_packed_weight_matches_linear(rows, dtype):
         torch.testing.assert_close(out.float(), expected, **tolerance)
 
 
-def test_batched_export_runs_on_packed_weights(compiled_model):
-    # The shared llama fixture (batch 3) must exercise the packed path, or the parity tests above would not cover
-    # it: its down projections are too wide for the dot kernel (conftest.py), the other projections are not.
+def test_batch_past_the_dot_kernel_runs_on_packed_weights_and_matches_eager(tiny_checkpoint, reference_model):
+    # Up to 4 rows the dot kernel reads every projection's weight plain (the shared exports, batch 3). A batch of 5
+    # is past it: the layer projections and the untied LM head go through oneDNN on weights packed at load, and the
+    # generation must still be eager's, on prompts of different lengths, across a token bucket.
     import json
 
-    model = compiled_model("llama")
+    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=5,
+                                                   sequence_length=48, context_buckets=[16], token_buckets=[24, 48])
     stamp = json.loads((model.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
     if not stamp["lowering"]["packed_rows"]:
         pytest.skip("no oneDNN path on this CPU")
-    assert stamp["lowering"]["packed_rows"] == model.neuron_config.batch_size
+    assert stamp["lowering"]["packed_rows"] == 5
     names = stamp["packable_weights"]
-    assert any(name.endswith("down_proj.weight") for name in names) and "embed_tokens.weight" not in names
-    if stamp["lowering"]["dot_rows"]:
-        assert stamp["packable_weights"] == ["layers.0.down_proj.weight", "layers.1.down_proj.weight"]
+    assert len(names) == 2 * 4 + 1 and "lm_head.weight" in names and "embed_tokens.weight" not in names
     assert all(model._weights[name].is_mkldnn for name in names)
     assert not model._weights["embed_tokens.weight"].is_mkldnn
+    lengths = (3, 16, 7, 11, 1)
+    generator = torch.Generator().manual_seed(5)
+    input_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, n in enumerate(lengths):
+        input_ids[row, max(lengths) - n:] = torch.randint(3, 256, (n,), generator=generator)
+        attention_mask[row, max(lengths) - n:] = 1
+    new_tokens = 20  # 16 + 20 > 24: decode crosses the 24 -> 48 token bucket
+    result = compare_generation(reference_model("llama"), model, input_ids, attention_mask,
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    assert result.new_tokens == new_tokens
+    assert result.max_logit_diff < LOGIT_TOLERANCE, result
+    assert result.tokens_match, result
 
 
 def test_packing_reads_the_weights_file_ahead_front_to_back(tmp_path, monkeypatch):

@@ -36,14 +36,9 @@ X86_FEATURE_PROBES = {
     "amx_tile": "_is_amx_tile_supported",
     "amx_fp16": "_is_amx_fp16_supported",
 }
-# Decode rows up to which projections use our dot-product kernel (it keeps one accumulator per row), and how many
-# bytes those input rows may take: the kernel reads them once per block of weight rows, so they must stay in L1
-# next to the streaming weights. Measured in bfloat16, one weight row at a time: 4 rows of 1536 (12 KiB) streamed
-# at 95-98% of one row's speed, of 2048 (16 KiB) at 94% (the 1.1B shape's batch-4 token graph then ran 3% slower
-# than with oneDNN on packed weights), of 5632 (45 KiB) at 40% (AMD EPYC, 48 KiB L1). The same bytes hold for
-# float32 (half the inputs).
+# Decode rows up to which projections use our dot-product kernel (it keeps one accumulator per row; wide input
+# rows it cuts into pieces that stay in L1, kernels/rows_matvec.cpp).
 DOT_KERNEL_ROWS = 4
-DOT_KERNEL_INPUT_BYTES = 12288
 # What the dot kernel (kernels/rows_matvec.cpp) needs, per dtype, in X86_FEATURE_PROBES' names.
 DOT_KERNEL_ISA = {torch.bfloat16: ("avx512", "avx512_bf16"), torch.float32: ("avx512",)}
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
@@ -94,17 +89,17 @@ class InductorBackend(Backend):
         # GEMM. Decode attention: fused reductions, up to 2x faster than the CPU flash-attention kernel. Prefill
         # attention: 128-token query blocks that skip the keys after them, 10% off a 512-token prefill (1.1B bf16).
         # bfloat16 (with avx512_bf16) and float32 decode on AVX-512: our dot-product kernel (inductor_kernels.py)
-        # for the projections whose input rows stay in cache (DOT_KERNEL_INPUT_BYTES), which it streams at 4 rows
-        # nearly as fast as at 1, where oneDNN spends ~14 us per call outside its kernel (SmolLM2 batch 4: a fifth
-        # of the step) and the multiply + sum spends 40 instructions per 64-byte line of bfloat16. The other
-        # weights are packed for oneDNN.
+        # for every projection up to DOT_KERNEL_ROWS rows, which it streams at 4 rows nearly as fast as at 1, where
+        # oneDNN spends ~14 us per call outside its kernel (SmolLM2 batch 4: a fifth of the step) and the multiply +
+        # sum spends 40 instructions per 64-byte line of bfloat16. Its weights stay plain (memory-mapped): only
+        # batches past its rows pack the weights for oneDNN.
         if not dtype.is_floating_point:
             return Lowering(gemm_dtype=self.gemm_dtype(dtype))
         gemm_dtype = self.gemm_dtype(dtype)
         onednn = gemm_dtype == dtype and torch.backends.mkldnn.is_available()
         dot_rows = DOT_KERNEL_ROWS if self.has_dot_kernel(dtype) else 0
-        packed_rows = batch_size if onednn and batch_size > 1 else 0
-        return Lowering(dot_rows=dot_rows, dot_input_bytes=DOT_KERNEL_INPUT_BYTES if dot_rows else 0, matvec_rows=4,
+        packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
+        return Lowering(dot_rows=dot_rows, matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
                         causal_block=128)
 

@@ -69,9 +69,9 @@ class DecoderSpec:
 class Lowering:
     """How the decoder's projections and decode attention are computed; chosen by the backend for each export.
 
-    dot_rows, dot_input_bytes: bfloat16 or float32 projections over at most `dot_rows` rows whose input rows take
-        at most `dot_input_bytes` are `rows_matvec` (ops.py), for which the backend compiles its own kernel
-        (`uses_dot_kernel`). The kernel reads the input rows once per weight row: they must stay in cache.
+    dot_rows: bfloat16 or float32 projections over at most `dot_rows` rows are `rows_matvec` (ops.py), for which
+        the backend compiles its own kernel (`uses_dot_kernel`), of any input width: the kernel cuts wide input
+        rows into pieces that stay in cache.
     matvec_rows: other projections over at most this many rows are one multiply + sum per row (`project`).
     gemm_dtype: dtype the other projections compute in (None: the input's).
     onednn: the other projections go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`).
@@ -85,7 +85,6 @@ class Lowering:
     """
 
     dot_rows: int = 0
-    dot_input_bytes: int = 0
     matvec_rows: int = 0
     gemm_dtype: torch.dtype | None = None
     onednn: bool = False
@@ -93,9 +92,8 @@ class Lowering:
     attention_tokens: int = 0
     causal_block: int = 0
 
-    def uses_dot_kernel(self, rows: int, in_features: int, dtype: torch.dtype) -> bool:
-        return (dtype in ROWS_MATVEC_DTYPES and rows <= self.dot_rows
-                and rows * in_features * dtype.itemsize <= self.dot_input_bytes)
+    def uses_dot_kernel(self, rows: int, dtype: torch.dtype) -> bool:
+        return dtype in ROWS_MATVEC_DTYPES and rows <= self.dot_rows
 
     def for_layers(self) -> "Lowering":
         # Packed weights are opaque to the multiply + sum: every layer projection that the dot kernel does not take
@@ -108,7 +106,7 @@ class Lowering:
         return replace(self, packed_rows=0) if tied else self.for_layers()
 
     def describe(self) -> dict:
-        return {"dot_rows": self.dot_rows, "dot_input_bytes": self.dot_input_bytes, "matvec_rows": self.matvec_rows,
+        return {"dot_rows": self.dot_rows, "matvec_rows": self.matvec_rows,
                 "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."), "onednn": self.onednn,
                 "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens,
                 "causal_block": self.causal_block}
@@ -125,7 +123,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     slower at 4 rows.) Matrix multiplications compute in `gemm_dtype` and round back to x's dtype.
     """
     rows = x.numel() // x.shape[-1]
-    if lowering.uses_dot_kernel(rows, x.shape[-1], x.dtype) and weight.dtype == x.dtype:
+    if lowering.uses_dot_kernel(rows, x.dtype) and weight.dtype == x.dtype:
         out = rows_matvec(x.reshape(rows, x.shape[-1]), weight)
         if bias is not None:
             out = out + bias
@@ -322,17 +320,14 @@ class StaticDecoder(nn.Module):
     def packable_weight_names(self) -> list[str]:
         """Weights read only by oneDNN's linear, which the runtime may reorder for it (`Lowering.packed_rows`).
 
-        Those of the dot kernel at the token graphs' rows (`packed_rows`, the batch) stay plain: it reads them.
+        None when the dot kernel runs the token graphs' rows (`packed_rows`, the batch): it reads them plain.
         """
         rows, dtype = self.lowering.packed_rows, self.embed_tokens.weight.dtype
-        if not rows:
+        if not rows or self.lowering.uses_dot_kernel(rows, dtype):
             return []
-        projections = [(f"layers.{i}.{name}.weight", module.in_features) for i, layer in enumerate(self.layers)
-                       for name, module in layer.named_children() if isinstance(module, Projection)]
-        if not self.spec.tie_word_embeddings:
-            projections.append(("lm_head.weight", self.spec.hidden_size))
-        return [name for name, in_features in projections
-                if not self.lowering.uses_dot_kernel(rows, in_features, dtype)]
+        names = [f"layers.{i}.{name}.weight" for i, layer in enumerate(self.layers)
+                 for name, module in layer.named_children() if isinstance(module, Projection)]
+        return names if self.spec.tie_word_embeddings else [*names, "lm_head.weight"]
 
     def forward(self, input_ids, position_ids, cache_start, key_valid, last_index, kv_caches):
         B, T = input_ids.shape

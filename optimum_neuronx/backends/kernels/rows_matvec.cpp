@@ -38,11 +38,17 @@ inline uint16_t round_to_bf16(float value) {
 // rows, blocks of 4 ran the token graph 4-7% slower than one row at a time (bfloat16 lines hold twice the inputs
 // for the same multiply-adds: the loop is further from its compute limit). At 1 row, single weight rows stream
 // memory ~10% faster than blocks.
+// kPieceBytes: the most input bytes (all rows of x) one pass over the weight rows takes (piece_columns; 0: whole
+// rows). Measured on the 1.1B shape's projections (22 layers of each from memory, 2 threads, a slow memory phase,
+// ~32 GB/s), against one row of x: 4 bfloat16 rows of 5632 (45 KiB) whole streamed at 0.64x, in pieces of at most
+// 24 KiB 0.98x, 16 KiB 0.93x, 8 KiB 0.80x; rows of 2048 (16 KiB) whole 1.0x. Blocks of 4 float32 weight rows load
+// each line of x once per 4 weight lines: whole rows of 5632 (90 KiB) ran 1.06-1.10x faster than pieces of 22 KiB.
 struct BFloat16Lines {
   using Element = uint16_t;
   using Vector = __m512bh;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int kBlockRows = 1;
+  static constexpr int64_t kPieceBytes = 24576;
   __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline Vector load(const Element* p) {
     return (Vector)_mm512_loadu_si512(p);
   }
@@ -65,6 +71,7 @@ struct Float32Lines {
   using Vector = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int kBlockRows = 4;
+  static constexpr int64_t kPieceBytes = 0;
   __attribute__((target("avx512f"), always_inline)) static inline Vector load(const Element* p) {
     return _mm512_loadu_ps(p);
   }
@@ -94,23 +101,25 @@ template <int R, int C>
 constexpr int kLinesPerStep = R * C >= 8 ? 1 : R * C >= 4 ? 2 : 4;
 
 // Adds one 64-byte line of C weight rows (from column i; only its first k - i elements when kTail) times R rows
-// of x to acc[c][r].
-template <typename Lines, int R, int C, bool kTail>
+// of x to acc[c][r]. kPieces: the rows are read a piece at a time (dot_rows), and the prefetch reaches `ahead`
+// elements past each line: into the same piece of a later row.
+template <typename Lines, int R, int C, bool kTail, bool kPieces>
 OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
     __m512 (&acc)[C][R], const typename Lines::Element* __restrict row, const typename Lines::Element* __restrict x,
-    int64_t k, int64_t k_padded, int64_t i) {
+    int64_t k, int64_t k_padded, int64_t i, int64_t ahead) {
   constexpr int64_t line = Lines::kLine;
-  constexpr int64_t prefetch_ahead = OPTIMUM_NEURONX_ROW_PREFETCH_BYTES / sizeof(typename Lines::Element);
   typename Lines::Vector w[C];
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) {
-    // Weights are read once per step, so prefetches keep memory busy. One row: a few KiB ahead
-    // (inductor_codegen.py measured the distance for Inductor's own loops). A block: the next block, front to
-    // back, C lines per step (a few KiB ahead in each row pointed into this block). The hint: non-temporal at one
-    // row of x (evicts nothing); into L2 (t2) at several, whose slower loop lost non-temporal lines before it
-    // reached them (t2 streamed 1.1-1.3x faster there, C harness, SmolLM2's projections; one row: no difference).
+    // Weights are read once per step, so prefetches keep memory busy. One whole row: `ahead` elements further
+    // (inductor_codegen.py measured the distance for Inductor's own loops). A block of whole rows: the next
+    // block, front to back, C lines per step (a few KiB ahead in each row pointed into this block). The hint:
+    // non-temporal at one row of x (evicts nothing); into L2 (t2) at several, whose slower loop lost non-temporal
+    // lines before it reached them (t2 streamed 1.1-1.3x faster there, C harness, SmolLM2's projections; one row:
+    // no difference).
     if (!kTail)
-      __builtin_prefetch(C == 1 ? row + i + prefetch_ahead : row + C * k + C * i + c * line, 0, R == 1 ? 0 : 1);
+      __builtin_prefetch(C == 1 || kPieces ? row + c * k + i + ahead : row + C * k + C * i + c * line, 0,
+                         R == 1 ? 0 : 1);
     w[c] = kTail ? Lines::load_first(row + c * k + i, k - i) : Lines::load(row + c * k + i);
   }
 #pragma GCC unroll 4
@@ -121,13 +130,13 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
   }
 }
 
-// C weight rows from `row` times R rows of x (64-byte aligned, each zero-padded to k_padded): y[r * n_out + c].
-// Each line of x is loaded once for C weight rows and each line of weight once for R rows of x: at 4 x 4 a weight
-// line costs 2 loads and 4 multiply-adds, where one weight row at a time costs 5 loads.
-template <typename Lines, int R, int C>
+// C weight rows from `row`, columns [begin, end), times R rows of x (64-byte aligned, each zero-padded to
+// k_padded): sums[c][r]. Each line of x is loaded once for C weight rows and each line of weight once for R rows
+// of x: at 4 x 4 a weight line costs 2 loads and 4 multiply-adds, where one weight row at a time costs 5 loads.
+template <typename Lines, int R, int C, bool kPieces>
 OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void dot_block(
     const typename Lines::Element* __restrict row, const typename Lines::Element* __restrict x, int64_t k,
-    int64_t k_padded, int64_t n_out, typename Lines::Element* __restrict y) {
+    int64_t k_padded, int64_t begin, int64_t end, int64_t ahead, float (&sums)[C][R]) {
   constexpr int64_t line = Lines::kLine;
   constexpr int U = kLinesPerStep<R, C>;
   __m512 acc[U][C][R];
@@ -137,12 +146,13 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void dot_block(
     for (int c = 0; c < C; ++c)
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[u][c][r] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + U * line <= k; i += U * line)
+  int64_t i = begin;
+  for (; i + U * line <= end; i += U * line)
 #pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) add_line<Lines, R, C, false>(acc[u], row, x, k, k_padded, i + u * line);
-  for (; i + line <= k; i += line) add_line<Lines, R, C, false>(acc[0], row, x, k, k_padded, i);
-  if (i < k) add_line<Lines, R, C, true>(acc[0], row, x, k, k_padded, i);
+    for (int u = 0; u < U; ++u)
+      add_line<Lines, R, C, false, kPieces>(acc[u], row, x, k, k_padded, i + u * line, ahead);
+  for (; i + line <= end; i += line) add_line<Lines, R, C, false, kPieces>(acc[0], row, x, k, k_padded, i, ahead);
+  if (i < end) add_line<Lines, R, C, true, kPieces>(acc[0], row, x, k, k_padded, i, ahead);
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c)
 #pragma GCC unroll 4
@@ -150,45 +160,109 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void dot_block(
       __m512 sum = acc[0][c][r];
 #pragma GCC unroll 4
       for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][c][r]);
-      y[r * n_out + c] = Lines::store(_mm512_reduce_add_ps(sum));
+      sums[c][r] = _mm512_reduce_add_ps(sum);
     }
+}
+
+// One piece, columns [begin, end), of weight rows [n_begin, n_end) times R rows of x, C weight rows at a time.
+// Its sums go to partial[r * n_out + n] (set by the first piece, added to by the others) and, with the last
+// piece, rounded to y[r * n_out + n]; a single piece (first and last) writes y alone.
+template <typename Lines, int R, int C, bool kPieces>
+OPTIMUM_NEURONX_DOT_TARGET void dot_piece(const typename Lines::Element* __restrict weight,
+                                          const typename Lines::Element* __restrict x, int64_t k, int64_t k_padded,
+                                          int64_t n_out, int64_t n_begin, int64_t n_end, int64_t begin, int64_t end,
+                                          int64_t ahead, bool first, bool last, float* __restrict partial,
+                                          typename Lines::Element* __restrict y) {
+  int64_t n = n_begin;
+  for (; n + C <= n_end; n += C) {
+    float sums[C][R];
+    dot_block<Lines, R, C, kPieces>(weight + n * k, x, k, k_padded, begin, end, ahead, sums);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = r * n_out + n + c;
+        const float sum = first ? sums[c][r] : partial[at] + sums[c][r];
+        if (last) {
+          y[at] = Lines::store(sum);
+        } else {
+          partial[at] = sum;
+        }
+      }
+  }
+  if (C > 1 && n < n_end)
+    dot_piece<Lines, R, 1, kPieces>(weight, x, k, k_padded, n_out, n, n_end, begin, end, ahead, first, last, partial,
+                                    y);
+}
+
+// Input columns per piece for R rows of k: as few pieces as keep to Lines::kPieceBytes each (all R rows together),
+// of even size in whole 64-byte lines; at least k (whole rows, no partial sums) when kPieceBytes is 0. A block of
+// one weight row reads the input rows once per weight row, so they must stay in L1 next to the streaming weights:
+// each piece is then done for all weight rows of a thread before the next, its float32 sums kept in `partial`.
+template <typename Lines>
+int64_t piece_columns(int rows, int64_t k) {
+  constexpr int64_t line = Lines::kLine;
+  if (Lines::kPieceBytes == 0) return k;
+  int64_t most = Lines::kPieceBytes / (rows * int64_t(sizeof(typename Lines::Element))) / line * line;
+  if (most < line) most = line;
+  const int64_t pieces = (k + most - 1) / most;
+  return ((k + pieces - 1) / pieces + line - 1) / line * line;
 }
 
 // Weight rows [n_begin, n_end) times R rows of x, Lines::kBlockRows weight rows at a time for several rows of x.
 template <typename Lines, int R>
 OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restrict weight,
                                          const typename Lines::Element* __restrict x, int64_t k, int64_t k_padded,
-                                         int64_t n_out, int64_t n_begin, int64_t n_end,
-                                         typename Lines::Element* __restrict y) {
-  constexpr int kBlock = R == 1 ? 1 : Lines::kBlockRows;
-  int64_t n = n_begin;
-  for (; n + kBlock <= n_end; n += kBlock) dot_block<Lines, R, kBlock>(weight + n * k, x, k, k_padded, n_out, y + n);
-  for (; n < n_end; ++n) dot_block<Lines, R, 1>(weight + n * k, x, k, k_padded, n_out, y + n);
+                                         int64_t n_out, int64_t n_begin, int64_t n_end, int64_t piece,
+                                         float* __restrict partial, typename Lines::Element* __restrict y) {
+  constexpr int C = R == 1 ? 1 : Lines::kBlockRows;
+  constexpr int64_t row_ahead = OPTIMUM_NEURONX_ROW_PREFETCH_BYTES / sizeof(typename Lines::Element);
+  if (piece >= k) {
+    dot_piece<Lines, R, C, false>(weight, x, k, k_padded, n_out, n_begin, n_end, 0, k, row_ahead, true, true, nullptr,
+                                  y);
+    return;
+  }
+  // The prefetch reaches the same piece a whole number of rows further, about as far as in a whole row (at least
+  // the next block).
+  const int64_t rows_ahead = (row_ahead + piece - 1) / piece;
+  const int64_t ahead = (rows_ahead > C ? rows_ahead : C) * k;
+  for (int64_t begin = 0; begin < k; begin += piece) {
+    const int64_t end = begin + piece < k ? begin + piece : k;
+    dot_piece<Lines, R, C, true>(weight, x, k, k_padded, n_out, n_begin, n_end, begin, end, ahead, begin == 0,
+                                 end == k, partial, y);
+  }
 }
 
 template <typename Lines, int R>
 void dot_rows_parallel(const typename Lines::Element* weight, const typename Lines::Element* x, int64_t k,
-                       int64_t k_padded, int64_t n_out, typename Lines::Element* y) {
+                       int64_t k_padded, int64_t n_out, int64_t piece, float* partial, typename Lines::Element* y) {
 #pragma omp parallel
   {
     const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
-    dot_rows<Lines, R>(weight, x, k, k_padded, n_out, n_out * thread / threads, n_out * (thread + 1) / threads, y);
+    dot_rows<Lines, R>(weight, x, k, k_padded, n_out, n_out * thread / threads, n_out * (thread + 1) / threads, piece,
+                       partial, y);
   }
 }
 
+// A 64-byte aligned buffer of at least `count` elements, one per calling thread and tag, grown as needed and kept.
+template <typename Element, int kTag>
+Element* kept_buffer(int64_t count) {
+  static thread_local Element* buffer = nullptr;
+  static thread_local int64_t capacity = 0;
+  if (capacity < count) {
+    std::free(buffer);
+    buffer = static_cast<Element*>(std::aligned_alloc(64, (count * sizeof(Element) + 63) / 64 * 64));
+    capacity = buffer ? count : 0;
+  }
+  return buffer;
+}
+
 // x copied into a 64-byte aligned, zero-padded buffer: unaligned 64-byte loads of x ran 2.7x slower at 4 rows.
-// One buffer per calling thread, grown as needed and kept (a few KiB).
 template <typename Element>
 const Element* aligned_rows(const Element* x, int64_t rows, int64_t k, int64_t row_stride, int64_t col_stride,
                             int64_t k_padded) {
-  static thread_local Element* buffer = nullptr;
-  static thread_local int64_t capacity = 0;
-  if (capacity < rows * k_padded) {
-    std::free(buffer);
-    buffer = static_cast<Element*>(std::aligned_alloc(64, rows * k_padded * sizeof(Element)));
-    capacity = buffer ? rows * k_padded : 0;
-    if (!buffer) return nullptr;
-  }
+  Element* buffer = kept_buffer<Element, 0>(rows * k_padded);
+  if (!buffer) return nullptr;
   for (int64_t r = 0; r < rows; ++r) {
     Element* dst = buffer + r * k_padded;
     if (col_stride == 1) {  // the usual case: one copy per row (element by element it took 3% of a decode step)
@@ -212,13 +286,15 @@ bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_dat
     const int64_t count = rows - first < kMaxRows ? rows - first : kMaxRows;
     const Element* xs = aligned_rows(static_cast<const Element*>(x_data) + first * x_strides[0], count, k,
                                      x_strides[0], x_strides[1], k_padded);
-    if (!xs) return false;
+    const int64_t piece = piece_columns<Lines>(count, k);
+    float* partial = piece < k ? kept_buffer<float, 1>(count * n_out) : nullptr;
+    if (!xs || (piece < k && !partial)) return false;
     Element* y = static_cast<Element*>(y_data) + first * n_out;
     switch (count) {
-      case 1: dot_rows_parallel<Lines, 1>(w, xs, k, k_padded, n_out, y); break;
-      case 2: dot_rows_parallel<Lines, 2>(w, xs, k, k_padded, n_out, y); break;
-      case 3: dot_rows_parallel<Lines, 3>(w, xs, k, k_padded, n_out, y); break;
-      default: dot_rows_parallel<Lines, 4>(w, xs, k, k_padded, n_out, y); break;
+      case 1: dot_rows_parallel<Lines, 1>(w, xs, k, k_padded, n_out, piece, partial, y); break;
+      case 2: dot_rows_parallel<Lines, 2>(w, xs, k, k_padded, n_out, piece, partial, y); break;
+      case 3: dot_rows_parallel<Lines, 3>(w, xs, k, k_padded, n_out, piece, partial, y); break;
+      default: dot_rows_parallel<Lines, 4>(w, xs, k, k_padded, n_out, piece, partial, y); break;
     }
   }
   return true;
