@@ -96,11 +96,9 @@ def smollm2_compiled(smollm2_checkpoint):
         token_buckets=[128])
 
 
-@pytest.fixture
-def left_padded_batch():
-    """Three prompts of different lengths, left-padded like a tokenizer with padding_side='left' does."""
-    lengths = (5, 9, 14)
-    generator = torch.Generator().manual_seed(1)
+def left_padded_prompts(lengths, seed: int):
+    """Random prompts of these lengths, left-padded like a tokenizer with padding_side='left' does: (ids, mask)."""
+    generator = torch.Generator().manual_seed(seed)
     width = max(lengths)
     input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
     attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
@@ -108,6 +106,12 @@ def left_padded_batch():
         input_ids[row, width - n:] = torch.randint(3, 256, (n,), generator=generator)
         attention_mask[row, width - n:] = 1
     return input_ids, attention_mask
+
+
+@pytest.fixture
+def left_padded_batch():
+    """Three prompts of different lengths, left-padded."""
+    return left_padded_prompts((5, 9, 14), seed=1)
 
 
 FRESH_PROCESS_GENERATE = """

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import ARCHITECTURES
+from conftest import ARCHITECTURES, left_padded_prompts
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
 
@@ -224,13 +224,7 @@ def test_batch_past_the_dot_kernel_runs_on_packed_weights_and_matches_eager(tiny
     assert len(names) == 2 * 4 + 1 and "lm_head.weight" in names and "embed_tokens.weight" not in names
     assert all(model._weights[name].is_mkldnn for name in names)
     assert not model._weights["embed_tokens.weight"].is_mkldnn
-    lengths = (3, 16, 7, 11, 1)
-    generator = torch.Generator().manual_seed(5)
-    input_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, n in enumerate(lengths):
-        input_ids[row, max(lengths) - n:] = torch.randint(3, 256, (n,), generator=generator)
-        attention_mask[row, max(lengths) - n:] = 1
+    input_ids, attention_mask = left_padded_prompts((3, 16, 7, 11, 1), seed=5)
     new_tokens = 20  # 16 + 20 > 24: decode crosses the 24 -> 48 token bucket
     result = compare_generation(reference_model("llama"), model, input_ids, attention_mask,
                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens)
@@ -338,13 +332,7 @@ def test_prompts_longer_than_an_attention_block_match_eager(tiny_checkpoint, ref
     compiled = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, batch_size=3,
                                                       sequence_length=bucket + 32, context_buckets=[bucket],
                                                       token_buckets=[bucket + 32])
-    generator = torch.Generator().manual_seed(2)
-    lengths = (bucket - block - 8, block + 20, bucket - 14)
-    input_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, n in enumerate(lengths):
-        input_ids[row, -n:] = torch.randint(3, 256, (n,), generator=generator)
-        attention_mask[row, -n:] = 1
+    input_ids, attention_mask = left_padded_prompts((bucket - block - 8, block + 20, bucket - 14), seed=2)
     result = compare_generation(reference_model(model_type), compiled, input_ids, attention_mask,
                                 max_new_tokens=20, min_new_tokens=20)
     assert result.max_logit_diff < LOGIT_TOLERANCE, result
