@@ -151,7 +151,10 @@ def load_weights(directory: str | Path, meta: dict) -> dict[str, torch.Tensor]:
 def _reading_ahead(path: str, chunk_bytes: int = 64 << 20) -> Iterator[None]:
     """Have the kernel read `path` front to back in large requests from a thread while the block runs. Packing
     reads each weight through page faults, in the order the reorder walks it, and waits on each: from storage
-    that is not cached, reading ahead overlaps the disk with the packing (docs/performance.md, reload)."""
+    that is not cached, reading ahead overlaps the disk with the packing (docs/performance.md, reload).
+
+    Linux reads at most the device's read-ahead window per call (8 MiB on the machine measured), so this asks
+    for the start of each chunk, not all of it; asking for all of it, in window-sized calls, loaded slower there."""
     if not hasattr(os, "posix_fadvise"):  # not on macOS or Windows
         yield
         return
