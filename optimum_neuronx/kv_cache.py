@@ -45,6 +45,7 @@ class CacheHandle:
     """
 
     is_compileable = False
+    is_croppable = True  # assisted generation rolls rejected draft tokens back with crop()
 
     def __init__(self, cache: StaticKVCache, length: int):
         self._cache = cache
@@ -57,8 +58,10 @@ class CacheHandle:
         return self._cache.key_valid.shape[1]
 
     def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` tokens (negative: drop that many); a static cache only moves its end."""
-        if max_length < 0:
+        """Drop the last `-max_length` tokens when it is zero or negative (Transformers 5: `crop(-n)`, and `crop(0)`
+        keeps everything), else keep the first `max_length` (the older absolute form). A static cache only moves its
+        end."""
+        if max_length <= 0:
             max_length = self.length + max_length
         self.length = max(0, min(self.length, max_length))
         self._cache.key_valid[:, self.length:] = False

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 # works, with a deprecation warning): use whichever this version has.
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
+_NO_INPUTS_EMBEDS = ("inputs_embeds is not supported: the compiled graphs start from token ids (the embedding lookup "
+                     "is compiled in). Pass input_ids.")
+
 # from_pretrained keyword -> NeuronConfig field.
 NEURON_KWARGS = {
     "batch_size": "batch_size",
@@ -173,20 +176,43 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         A request longer than `sequence_length` is an error; with `truncate_to_sequence_length=True`
         max_new_tokens is lowered to fit instead, and a warning says so.
         """
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError(_NO_INPUTS_EMBEDS)
+        config = copy.deepcopy(generation_config or self.generation_config)
+        config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+        generation_config = self._drop_cache_options(config, generation_config, kwargs)
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if torch.is_tensor(input_ids) and input_ids.dim() == 2:
-            fitted = self._fit_generation_length(input_ids.shape, generation_config, kwargs,
-                                                 truncate_to_sequence_length)
+            fitted = self._fit_generation_length(input_ids.shape, config, truncate_to_sequence_length)
             if fitted is not None:
                 kwargs["max_new_tokens"] = fitted
                 kwargs.pop("max_length", None)
         return super().generate(inputs, generation_config=generation_config, **kwargs)
 
-    def _fit_generation_length(self, shape, generation_config, kwargs, truncate) -> Optional[int]:
+    @staticmethod
+    def _drop_cache_options(config: GenerationConfig, generation_config, kwargs: dict):
+        """The graphs always read and write their own static KV cache: `use_cache=False` or a `cache_implementation`
+        would change nothing in the tokens (and Transformers' code for them does not fit a static graph). Returns
+        the generation_config to pass on; kwargs are updated in place."""
+        overrides = {}
+        if config.use_cache is False:
+            overrides["use_cache"] = True
+        if config.cache_implementation is not None:
+            overrides["cache_implementation"] = None
+        if not overrides:
+            return generation_config
+        logger.warning("%s ignored: the compiled model always uses its own static KV cache (same tokens).",
+                       ", ".join(f"{k}={getattr(config, k)!r}" for k in overrides))
+        if generation_config is not None and not any(k in kwargs for k in overrides):
+            generation_config = copy.deepcopy(generation_config)  # the caller's object stays as it was
+            generation_config.update(**overrides)
+        else:
+            kwargs.update(overrides)
+        return generation_config
+
+    def _fit_generation_length(self, shape, config: GenerationConfig, truncate) -> Optional[int]:
         nc = self.neuron_config
         batch, prompt = shape
-        config = copy.deepcopy(generation_config or self.generation_config)
-        config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
         beams = config.num_beams or 1
         rows = batch * (beams if beams > 1 else (config.num_return_sequences or 1))
         self._check_batch(rows, f"batch of {batch} prompts x {max(beams, config.num_return_sequences or 1)} "
@@ -213,30 +239,43 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                 f"{self.neuron_config.batch_size}. Split the batch, or re-export with batch_size >= {rows}."
             )
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
-                past_key_values=None, use_cache: bool = True, logits_to_keep=None, cache=None, **kwargs):
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                past_key_values=None, use_cache: bool = True, logits_to_keep=None, cache=None, labels=None, **kwargs):
         """Context encoding when the cache passed (`cache`, or `past_key_values` before Transformers 5.24) is not
         our live handle, else one decode step per token.
 
-        Positions come from `attention_mask` (left padding); without a mask every row is full.
-        Context encoding returns the last position's logits only: [batch, 1, vocab].
+        Positions come from `attention_mask` (left padding); without a mask every row is full. Context encoding
+        returns the last position's logits, [batch, 1, vocab], unless `logits_to_keep` asks for more (0: all, as in
+        Transformers): the graphs compute logits at one position, so the last `logits_to_keep - 1` tokens are then
+        fed as decode steps after the rest is encoded (assisted generation's first pass needs this).
         """
+        if kwargs.get("inputs_embeds") is not None or input_ids is None:
+            raise ValueError(_NO_INPUTS_EMBEDS)
+        unsupported = [k for k in ("output_hidden_states", "output_attentions") if kwargs.get(k)]
+        if labels is not None or unsupported:
+            asked = ", ".join(["labels (a loss)"] * (labels is not None) + [f"{k}=True" for k in unsupported])
+            raise ValueError(f"{asked}: the compiled graphs return logits only, at the positions generation needs. "
+                             f"Run the original checkpoint with transformers.AutoModelForCausalLM for a loss, hidden "
+                             f"states or attention weights.")
         past_key_values = cache if cache is not None else past_key_values
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}.")
         self._check_batch(input_ids.shape[0], f"batch of {input_ids.shape[0]} sequences")
         if attention_mask is not None:
             attention_mask = attention_mask.to(torch.bool)
+        n = input_ids.shape[1]
         if past_key_values is not None and past_key_values is self._handle and self._handle.length > 0:
             logits = self._decode(input_ids, attention_mask)
         else:
-            if logits_to_keep not in (None, 1) and input_ids.shape[1] > 1:
-                raise ValueError(f"logits_to_keep={logits_to_keep}: context-encoding graphs only return the last "
-                                 f"position's logits (logits_to_keep=1).")
-            logits = self._encode(input_ids, attention_mask)
+            keep = n if logits_to_keep == 0 else min(logits_to_keep or 1, n)
+            encoded = n - keep + 1
+            logits = self._encode(input_ids[:, :encoded],
+                                  attention_mask[:, :encoded] if attention_mask is not None else None)
+            if keep > 1:
+                logits = torch.cat([logits, self._decode(input_ids[:, encoded:], attention_mask)], dim=1)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: self._handle})
+        return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: self._handle if use_cache is not False else None})
 
     def _encode(self, input_ids, attention_mask) -> torch.Tensor:
         b, n = input_ids.shape

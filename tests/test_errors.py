@@ -48,6 +48,21 @@ def test_batch_larger_than_compiled(compiled_model):
         compiled_model(MODEL).generate(torch.ones(2, 5, dtype=torch.long), max_new_tokens=3, num_beams=2)
 
 
+def test_outputs_the_graphs_do_not_compute_are_refused(compiled_model):
+    model, ids = compiled_model(MODEL), torch.ones(1, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"labels \(a loss\): the compiled graphs return logits only.*"
+                                         r"AutoModelForCausalLM"):
+        model(ids, labels=ids)
+    with pytest.raises(ValueError, match=r"output_hidden_states=True: .*logits only"):
+        model.generate(ids, max_new_tokens=2, output_hidden_states=True, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match=r"output_attentions=True: .*logits only"):
+        model(ids, output_attentions=True)
+    embeds = torch.zeros(1, 5, 64)
+    for call in (lambda: model(inputs_embeds=embeds), lambda: model.generate(inputs_embeds=embeds, max_new_tokens=2)):
+        with pytest.raises(ValueError, match=r"inputs_embeds is not supported.*Pass input_ids"):
+            call()
+
+
 def test_unknown_model_type(tmp_path):
     from transformers import GPT2Config
 

@@ -1,5 +1,7 @@
 """Transformers' GenerationMixin drives the compiled graphs: every decoding option matches eager."""
 
+import logging
+
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -124,6 +126,8 @@ def test_forward_rolls_back_with_crop(pair):
     steps = torch.tensor([[9, 10, 11]])
     first = model(steps, past_key_values=handle, logits_to_keep=0).logits
     assert handle.get_seq_length() == 7
+    handle.crop(0)  # Transformers 5: remove nothing
+    assert handle.get_seq_length() == 7
     handle.crop(-3)
     again = model(steps, past_key_values=handle, logits_to_keep=0).logits
     assert torch.equal(first, again)
@@ -142,3 +146,40 @@ def test_kv_cache_is_written_in_place(pair):
     assert [layer.data_ptr() for layer in cache.kv] == pointers
     assert all(layer[:, 0, :, 5].abs().sum() > 0 for layer in cache.kv)  # slot 5 holds token 6's K and V
     assert handle.get_seq_length() == 6
+
+
+@pytest.mark.parametrize("assistant", ["prompt_lookup", "same_model", "other_model"])
+def test_assisted_generation_matches_plain_greedy(pair, reference_model, assistant):
+    """Drafts accepted (the eager twin drafts: the first pass verifies several tokens at once) and rejected (another
+    random model drafts: crop() rolls the cache back), and n-gram drafts from the prompt: all give plain greedy."""
+    prompt = torch.tensor([[21, 22, 23, 24, 25, 21, 22, 23, 24, 25, 21, 22]])
+    options = {"prompt_lookup": dict(prompt_lookup_num_tokens=3), "same_model": dict(assistant_model=pair[0]),
+               "other_model": dict(assistant_model=reference_model("qwen2"))}[assistant]
+    expected = pair[0].generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    actual = pair[1].generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False, **options)
+    assert torch.equal(actual, expected)
+
+
+def test_forward_returns_more_positions_when_asked(pair):
+    """logits_to_keep=0 (all) or k on a fresh context: the prompt's head is encoded, its tail fed as decode steps."""
+    reference, model = pair
+    ids = torch.tensor([[7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29]])
+    with torch.no_grad():
+        expected = reference(ids).logits
+    everything = model(ids, logits_to_keep=0).logits
+    assert everything.shape == expected.shape
+    assert (everything - expected).abs().max().item() < 1e-3
+    assert (model(ids, logits_to_keep=3).logits - expected[:, -3:]).abs().max().item() < 1e-3
+    assert model(ids).logits.shape == (1, 1, expected.shape[-1])  # the default: the last position only
+
+
+@pytest.mark.parametrize("options", [dict(use_cache=False), dict(cache_implementation="static")],
+                         ids=["use_cache=False", "cache_implementation=static"])
+def test_cache_options_are_ignored_with_a_warning(pair, left_padded_batch, caplog, options):
+    input_ids, attention_mask = left_padded_batch
+    plain = pair[1].generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="optimum_neuronx"):
+        actual = pair[1].generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False,
+                                  **options)
+    assert torch.equal(actual, plain)
+    assert f"{next(iter(options))}=" in caplog.text and "ignored" in caplog.text
