@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -79,6 +80,9 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                                     neuron_config.torch_dtype)
         self._handle: Optional[CacheHandle] = None
         self._step = DecodeStepInputs(neuron_config.batch_size)
+        # One generate (or forward) at a time: calls share the KV cache, and an AOTInductor runner keeps the GIL
+        # while it waits for a graph another thread is running, which would deadlock the process.
+        self._lock = threading.RLock()
         if generation_config is not None:
             self.generation_config = generation_config
 
@@ -187,7 +191,8 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             if fitted is not None:
                 kwargs["max_new_tokens"] = fitted
                 kwargs.pop("max_length", None)
-        return super().generate(inputs, generation_config=generation_config, **kwargs)
+        with self._lock:
+            return super().generate(inputs, generation_config=generation_config, **kwargs)
 
     @staticmethod
     def _drop_cache_options(config: GenerationConfig, generation_config, kwargs: dict):
@@ -263,19 +268,23 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         self._check_batch(input_ids.shape[0], f"batch of {input_ids.shape[0]} sequences")
         if attention_mask is not None:
             attention_mask = attention_mask.to(torch.bool)
-        n = input_ids.shape[1]
-        if past_key_values is not None and past_key_values is self._handle and self._handle.length > 0:
-            logits = self._decode(input_ids, attention_mask)
-        else:
-            keep = n if logits_to_keep == 0 else min(logits_to_keep or 1, n)
-            encoded = n - keep + 1
-            logits = self._encode(input_ids[:, :encoded],
-                                  attention_mask[:, :encoded] if attention_mask is not None else None)
-            if keep > 1:
-                logits = torch.cat([logits, self._decode(input_ids[:, encoded:], attention_mask)], dim=1)
+        with self._lock:
+            logits = self._run(input_ids, attention_mask, past_key_values, logits_to_keep)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
         return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: self._handle if use_cache is not False else None})
+
+    def _run(self, input_ids, attention_mask, past_key_values, logits_to_keep) -> torch.Tensor:
+        n = input_ids.shape[1]
+        if past_key_values is not None and past_key_values is self._handle and self._handle.length > 0:
+            return self._decode(input_ids, attention_mask)
+        keep = n if logits_to_keep == 0 else min(logits_to_keep or 1, n)
+        encoded = n - keep + 1
+        mask = attention_mask[:, :encoded] if attention_mask is not None else None
+        logits = self._encode(input_ids[:, :encoded], mask)
+        if keep > 1:
+            logits = torch.cat([logits, self._decode(input_ids[:, encoded:], attention_mask)], dim=1)
+        return logits
 
     def _encode(self, input_ids, attention_mask) -> torch.Tensor:
         b, n = input_ids.shape

@@ -1,6 +1,8 @@
 """Transformers' GenerationMixin drives the compiled graphs: every decoding option matches eager."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -183,3 +185,30 @@ def test_cache_options_are_ignored_with_a_warning(pair, left_padded_batch, caplo
                                   **options)
     assert torch.equal(actual, plain)
     assert f"{next(iter(options))}=" in caplog.text and "ignored" in caplog.text
+
+
+THREADS_SCRIPT = """
+import sys, threading, torch
+from optimum_neuronx import NeuronModelForCausalLM
+model = NeuronModelForCausalLM.from_pretrained(sys.argv[1])
+prompts = [torch.tensor([[5 + i, 6, 7, 8, 9]]) for i in range(4)]
+expected = [model.generate(p, max_new_tokens=40, min_new_tokens=40, do_sample=False) for p in prompts]
+results = [[] for _ in prompts]
+def run(i):
+    for _ in range(3):
+        results[i].append(model.generate(prompts[i], max_new_tokens=40, min_new_tokens=40, do_sample=False))
+threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+for t in threads: t.start()
+for t in threads: t.join()
+print(all(torch.equal(out, e) for outs, e in zip(results, expected) for out in outs), sum(map(len, results)))
+"""
+
+
+def test_generate_from_several_threads(saved_tiny_llama):
+    """Threads sharing one model take turns: each gets its own tokens, and nothing deadlocks (without the model's
+    lock the AOTInductor runner waited for a graph with the GIL held). A subprocess, so a deadlock fails the test
+    at the timeout instead of hanging the session."""
+    result = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(saved_tiny_llama)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True", "12"]
