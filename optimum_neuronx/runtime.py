@@ -76,6 +76,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         self._artifact_dir = Path(artifact_dir)
         self._tmpdir = tmpdir  # owns the export directory of a model exported but not yet saved
         spec = get_export_config(config.model_type).decoder_spec(config, neuron_config)
+        self._vocab_size = spec.vocab_size
         self._cache = StaticKVCache(spec, neuron_config.batch_size, neuron_config.sequence_length,
                                     neuron_config.torch_dtype)
         self._handle: Optional[CacheHandle] = None
@@ -186,7 +187,8 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
         generation_config = self._drop_cache_options(config, generation_config, kwargs)
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-        if torch.is_tensor(input_ids) and input_ids.dim() == 2:
+        if input_ids is not None:
+            self._check_input_ids(input_ids)
             fitted = self._fit_generation_length(input_ids.shape, config, truncate_to_sequence_length)
             if fitted is not None:
                 kwargs["max_new_tokens"] = fitted
@@ -237,6 +239,21 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             f"truncate_to_sequence_length=True to cap it, or re-export with sequence_length >= {prompt + new_tokens}."
         )
 
+    def _check_input_ids(self, input_ids) -> None:
+        """Ids the graphs can take: out-of-vocabulary ids would abort the process inside the embedding lookup."""
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+            got = f"shape {tuple(input_ids.shape)}" if torch.is_tensor(input_ids) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a [batch, tokens] tensor, got {got}. One prompt of n tokens is "
+                             f"ids[None], shape [1, n].")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids holds no tokens: a prompt needs at least one (e.g. the tokenizer's BOS token).")
+        low, high = (int(v) for v in torch.aminmax(input_ids))
+        if low < 0 or high >= self._vocab_size:
+            raise ValueError(f"Token id {low if low < 0 else high} is outside this model's vocabulary (ids 0 to "
+                             f"{self._vocab_size - 1}). Encode prompts with this model's tokenizer.")
+
     def _check_batch(self, rows: int, what: str) -> None:
         if rows > self.neuron_config.batch_size:
             raise ValueError(
@@ -263,8 +280,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                              f"Run the original checkpoint with transformers.AutoModelForCausalLM for a loss, hidden "
                              f"states or attention weights.")
         past_key_values = cache if cache is not None else past_key_values
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}.")
+        self._check_input_ids(input_ids)
         self._check_batch(input_ids.shape[0], f"batch of {input_ids.shape[0]} sequences")
         if attention_mask is not None:
             attention_mask = attention_mask.to(torch.bool)

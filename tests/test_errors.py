@@ -63,6 +63,24 @@ def test_outputs_the_graphs_do_not_compute_are_refused(compiled_model):
             call()
 
 
+@pytest.mark.parametrize("ids, message", [
+    (torch.full((1, 4), 300), r"Token id 300 is outside this model's vocabulary \(ids 0 to 255\).*tokenizer"),
+    (torch.tensor([[5, -1, 7]]), r"Token id -1 is outside this model's vocabulary"),
+    (torch.zeros(1, 0, dtype=torch.long), r"input_ids holds no tokens.*BOS"),
+    (torch.ones(1, 4), r"integer token ids, got dtype torch.float32"),
+    (torch.ones(4, dtype=torch.long), r"\[batch, tokens\] tensor, got shape \(4,\).*ids\[None\]"),
+], ids=["past_vocab", "negative", "empty", "float", "1d"])
+def test_bad_input_ids_are_refused(compiled_model, ids, message):
+    """Out-of-vocabulary ids used to abort the whole process inside the compiled embedding lookup."""
+    model = compiled_model(MODEL)
+    with pytest.raises(ValueError, match=message):
+        model.generate(ids, max_new_tokens=2)
+    if ids.dim() == 2 and ids.shape[1]:
+        handle = model(torch.ones(1, 3, dtype=torch.long)).past_key_values
+        with pytest.raises(ValueError, match=message):
+            model(ids, past_key_values=handle)  # decode steps check their ids too
+
+
 def test_unknown_model_type(tmp_path):
     from transformers import GPT2Config
 
