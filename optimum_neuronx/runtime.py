@@ -189,6 +189,12 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if input_ids is not None:
             self._check_input_ids(input_ids)
+            mask = kwargs.get("attention_mask")
+            # Transformers drops an all-ones mask before forward, so a mask of the wrong width would go unnoticed.
+            if torch.is_tensor(mask) and (mask.dim() != 2 or mask.shape[1] != input_ids.shape[1]
+                                          or mask.shape[0] not in (1, input_ids.shape[0])):
+                raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has "
+                                 f"{tuple(input_ids.shape)}: pass the mask the tokenizer returned with the ids.")
             fitted = self._fit_generation_length(input_ids.shape, config, truncate_to_sequence_length)
             if fitted is not None:
                 kwargs["max_new_tokens"] = fitted

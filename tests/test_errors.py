@@ -81,6 +81,12 @@ def test_bad_input_ids_are_refused(compiled_model, ids, message):
             model(ids, past_key_values=handle)  # decode steps check their ids too
 
 
+def test_attention_mask_of_another_shape_is_refused(compiled_model):
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 3\) but input_ids has \(2, 4\)"):
+        compiled_model(MODEL).generate(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 3),
+                                       max_new_tokens=2)
+
+
 def test_unknown_model_type(tmp_path):
     from transformers import GPT2Config
 
