@@ -36,6 +36,15 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 _NO_INPUTS_EMBEDS = ("inputs_embeds is not supported: the compiled graphs start from token ids (the embedding lookup "
                      "is compiled in). Pass input_ids.")
 
+_PUSH_KWARGS = ("token", "private", "commit_message", "revision", "create_pr")
+
+
+def _warn_ignored(method: str, kwargs: dict) -> None:
+    if kwargs:  # e.g. Transformers' safe_serialization / max_shard_size: an export is saved as it was compiled
+        logger.warning("%s: %s ignored (an export's files are written as they were compiled).", method,
+                       ", ".join(sorted(kwargs)))
+
+
 # from_pretrained keyword -> NeuronConfig field.
 NEURON_KWARGS = {
     "batch_size": "batch_size",
@@ -158,19 +167,30 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                     time.perf_counter() - start, "" if compiled else " (no compilation)")
         return model
 
-    def save_pretrained(self, save_directory: str | Path, **kwargs) -> None:
-        """Write the artifact (weights, graphs, configs, tokenizer files) to `save_directory`, atomically."""
+    def save_pretrained(self, save_directory: str | Path, push_to_hub: bool = False, **kwargs) -> None:
+        """Write the artifact (weights, graphs, configs, tokenizer files) to `save_directory`, atomically.
+
+        With `push_to_hub=True` the saved directory is then pushed, as in Transformers: to `repo_id` (default: the
+        directory's name), with push_to_hub's `token`, `private`, `commit_message`, `revision`, `create_pr`.
+        """
+        push_kwargs = {k: kwargs.pop(k) for k in _PUSH_KWARGS + ("repo_id",) if k in kwargs}
+        _warn_ignored("save_pretrained", kwargs)
         save_directory = Path(save_directory)
-        if save_directory.exists() and save_directory.resolve() == self._artifact_dir.resolve():
-            return
-        with atomic_directory(save_directory) as staging:
-            copy_artifact_files(self._artifact_dir, staging)
+        if not (save_directory.exists() and save_directory.resolve() == self._artifact_dir.resolve()):
+            with atomic_directory(save_directory) as staging:
+                copy_artifact_files(self._artifact_dir, staging)
+        if push_to_hub:
+            from .hub import push_artifact
+
+            push_artifact(save_directory, push_kwargs.pop("repo_id", None) or save_directory.resolve().name,
+                          **push_kwargs)
 
     def push_to_hub(self, repo_id: str, *, commit_message: Optional[str] = None, private: Optional[bool] = None,
                     token: Optional[str] = None, revision: Optional[str] = None, create_pr: bool = False, **kwargs):
         """Upload the exported directory (weights, graphs, configs, tokenizer) plus a model card, in one commit."""
         from .hub import push_artifact
 
+        _warn_ignored("push_to_hub", kwargs)
         return push_artifact(self._artifact_dir, repo_id, token=token, private=private, revision=revision,
                              commit_message=commit_message, create_pr=create_pr)
 

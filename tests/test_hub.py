@@ -33,6 +33,14 @@ def push(directory, repo_id, env):
                           timeout=300, env=env)
 
 
+SAVE_AND_PUSH = """
+import sys
+from optimum_neuronx import NeuronModelForCausalLM
+NeuronModelForCausalLM.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2], push_to_hub=True, repo_id=sys.argv[3],
+                                                                    commit_message="saved and pushed")
+"""
+
+
 @pytest.fixture(scope="module")
 def hub():
     with HubServer() as server:
@@ -124,3 +132,27 @@ def test_hub_backed_compile_cache_shares_entries(hub, tiny_checkpoint, tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Fetched compile cache entry" in second.stderr and "Compile cache hit" in second.stderr
     assert second.stdout == first.stdout
+
+
+def test_save_pretrained_with_push_to_hub(hub, saved_tiny_llama, tmp_path):
+    """Transformers' save_pretrained(..., push_to_hub=True, repo_id=...): saved locally, then pushed in one commit."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "saved-then-pushed"
+    result = subprocess.run([sys.executable, "-c", SAVE_AND_PUSH, str(saved_tiny_llama), str(target), "me/saved"],
+                            capture_output=True, text=True, timeout=300, env=hub_env(hub.url, tmp_path / "home"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (target / "model.pt2").is_file()
+    files = hub.state.repos["me/saved"]["files"]
+    assert files["model.safetensors"] == (target / "model.safetensors").read_bytes()
+    assert "README.md" in files and "model.pt2" in files
+
+
+def test_save_pretrained_names_the_options_it_ignores(compiled_model, tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="optimum_neuronx"):
+        compiled_model("llama").save_pretrained(tmp_path / "saved", safe_serialization=True, max_shard_size="1GB")
+    assert (tmp_path / "saved" / "model.pt2").is_file()
+    assert "save_pretrained: max_shard_size, safe_serialization ignored" in caplog.text
