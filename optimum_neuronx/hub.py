@@ -82,14 +82,20 @@ def push_artifact(artifact_dir: Path, repo_id: str, *, token: Optional[str] = No
     return info
 
 
+# from_pretrained's keywords that reach snapshot_download when it loads an export from the Hub.
+DOWNLOAD_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download")
+
+
 def download_artifact(repo_id: str, *, revision: Optional[str] = None, token: Optional[str] = None,
-                      cache_dir: Optional[str] = None) -> Path:
+                      cache_dir: Optional[str] = None, local_files_only: bool = False,
+                      force_download: bool = False) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.utils import HFValidationError
 
     try:
         with _naming_endpoint(constants.ENDPOINT):
-            return Path(snapshot_download(repo_id, revision=revision, token=token, cache_dir=cache_dir))
+            return Path(snapshot_download(repo_id, revision=revision, token=token, cache_dir=cache_dir,
+                                          local_files_only=local_files_only, force_download=force_download))
     except HFValidationError as err:
         raise ArtifactError(f"{repo_id!r} is neither a local directory nor a valid Hub repo id: {err}") from None
 

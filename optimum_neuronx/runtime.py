@@ -40,9 +40,10 @@ _PUSH_KWARGS = ("token", "private", "commit_message", "revision", "create_pr")
 
 
 def _warn_ignored(method: str, kwargs: dict) -> None:
-    if kwargs:  # e.g. Transformers' safe_serialization / max_shard_size: an export is saved as it was compiled
-        logger.warning("%s: %s ignored (an export's files are written as they were compiled).", method,
-                       ", ".join(sorted(kwargs)))
+    """Transformers' options that mean nothing for an export (safe_serialization, device_map, ...): said, not
+    silently dropped."""
+    if kwargs:
+        logger.warning("%s: %s ignored (they do not apply to a compiled export).", method, ", ".join(sorted(kwargs)))
 
 
 # from_pretrained keyword -> NeuronConfig field.
@@ -124,6 +125,10 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         $OPTIMUM_NEURONX_CACHE_REPO, a Hub repo shared as a remote cache) unless `compile_cache=False`. Other
         keywords go to Transformers' loaders (revision, token, ...).
         """
+        for name in ("dtype", "torch_dtype"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name}={kwargs[name]}: the compiled dtype is chosen at export with auto_cast_type "
+                                 f"('fp32', 'bf16' or 'fp16'), and an export keeps it. Pass auto_cast_type instead.")
         neuron_kwargs = {NEURON_KWARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in NEURON_KWARGS}
         neuron_kwargs = {k: v for k, v in neuron_kwargs.items() if v is not None}
         if export:
@@ -138,6 +143,9 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             cache = CompileCache(compile_cache_dir, compile_cache_repo, kwargs.get("token")) if compile_cache else None
             run_export(str(model_id), out_dir, neuron_config, hf_kwargs=kwargs, cache=cache)
             return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True)
+        from .hub import DOWNLOAD_KWARGS
+
+        _warn_ignored("from_pretrained", {k: v for k, v in kwargs.items() if k not in DOWNLOAD_KWARGS})
         artifact_dir = _resolve_artifact_dir(model_id, kwargs)
         model = cls._from_artifact(artifact_dir)
         requested = dict(neuron_kwargs, **(neuron_config.to_dict() if neuron_config else {}))
@@ -388,6 +396,6 @@ def _resolve_artifact_dir(model_id: str | Path, hub_kwargs: dict) -> Path:
     text = str(model_id)
     if path.is_absolute() or text.startswith(".") or text.count("/") > 1 or isinstance(model_id, Path):
         raise ArtifactError(f"{model_id} is not a directory (and not a Hub repo id): nothing to load.")
-    from .hub import download_artifact
+    from .hub import DOWNLOAD_KWARGS, download_artifact
 
-    return download_artifact(text, **{k: hub_kwargs[k] for k in ("revision", "token", "cache_dir") if k in hub_kwargs})
+    return download_artifact(text, **{k: hub_kwargs[k] for k in DOWNLOAD_KWARGS if k in hub_kwargs})

@@ -87,6 +87,13 @@ def test_attention_mask_of_another_shape_is_refused(compiled_model):
                                        max_new_tokens=2)
 
 
+def test_dtype_keywords_point_to_auto_cast_type(tiny_checkpoint, saved_tiny_llama):
+    with pytest.raises(ValueError, match=r"torch_dtype=torch.bfloat16: .*auto_cast_type.*Pass auto_cast_type"):
+        NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, torch_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dtype=torch.float16: .*Pass auto_cast_type"):
+        NeuronModelForCausalLM.from_pretrained(saved_tiny_llama, dtype=torch.float16)
+
+
 def test_unknown_model_type(tmp_path):
     from transformers import GPT2Config
 

@@ -156,3 +156,7 @@ def test_save_pretrained_names_the_options_it_ignores(compiled_model, tmp_path, 
         compiled_model("llama").save_pretrained(tmp_path / "saved", safe_serialization=True, max_shard_size="1GB")
     assert (tmp_path / "saved" / "model.pt2").is_file()
     assert "save_pretrained: max_shard_size, safe_serialization ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="optimum_neuronx"):
+        NeuronModelForCausalLM.from_pretrained(tmp_path / "saved", device_map="auto", local_files_only=True)
+    assert "from_pretrained: device_map ignored" in caplog.text
