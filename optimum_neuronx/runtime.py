@@ -95,6 +95,10 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         # while it waits for a graph another thread is running, which would deadlock the process.
         self._lock = threading.RLock()
         if generation_config is not None:
+            # A checkpoint's own cache choice (e.g. cache_implementation="hybrid") is for Transformers' caches; the
+            # graphs keep theirs, so it is dropped here rather than warned about on every generate.
+            generation_config.cache_implementation = None
+            generation_config.use_cache = True
             self.generation_config = generation_config
 
     # GenerationMixin and pipeline read these; with no torch parameters the base properties fail.

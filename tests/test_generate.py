@@ -212,3 +212,22 @@ def test_generate_from_several_threads(saved_tiny_llama):
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["True", "12"]
+
+
+def test_a_checkpoints_own_cache_choice_is_dropped_quietly(pair, saved_tiny_llama, tmp_path, caplog):
+    """A generation_config.json that names a Transformers cache (models ship "hybrid", "static", ...) must not warn
+    on every generate: the export keeps its own cache."""
+    import json
+    import shutil
+
+    from optimum_neuronx import NeuronModelForCausalLM
+
+    directory = shutil.copytree(saved_tiny_llama, tmp_path / "export")
+    path = directory / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "cache_implementation": "static"}))
+    model = NeuronModelForCausalLM.from_pretrained(directory)
+    prompt = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with caplog.at_level(logging.WARNING, logger="optimum_neuronx"):
+        actual = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert "ignored" not in caplog.text
+    assert torch.equal(actual, pair[1].generate(prompt, max_new_tokens=8, do_sample=False))
