@@ -162,10 +162,11 @@ def test_export_is_stamped_with_the_cpu_it_compiled_for(saved_tiny_llama):
 
 
 def test_export_needing_an_instruction_set_this_cpu_lacks_refused(damaged, monkeypatch):
-    # The x86 check reads the CPU's feature flags: pretend this one has no AVX-512.
+    # The x86 check reads the CPU's feature flags: pretend this one has VNNI but no AVX-512 (whatever it really has).
     _edit_json(damaged / "neuron_config.json",
                lambda m: m["versions"]["compiler"].update(target="cpu avx512 avx512_vnni"))
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
     with pytest.raises(ArtifactError, match=r"compiled for the vector instructions 'avx512 avx512_vnni'; this CPU "
                                             r"lacks avx512 \(it supports: .*\)\. Export it on this machine"):
         NeuronModelForCausalLM.from_pretrained(damaged)
