@@ -338,7 +338,8 @@ class BandwidthProbe:
         from optimum_neuronx.backends.inductor_kernels import c_shim_options
         from optimum_neuronx.modeling.ops import rows_matvec
 
-        if not get_backend("inductor").has_dot_kernel(self.weight.dtype):
+        isa = get_backend("inductor").dot_kernel_isa(self.weight.dtype)
+        if not isa:
             return None
 
         class DotKernel(torch.nn.Module):
@@ -349,7 +350,7 @@ class BandwidthProbe:
         program = torch.export.export(DotKernel(), args, strict=False)
         with tempfile.TemporaryDirectory(prefix="bench-dot-kernel-") as directory:
             files = torch._inductor.aot_compile(program.module(), args, options={
-                "aot_inductor.package": True, "force_disable_caches": True, **c_shim_options(dot_rows=4)})
+                "aot_inductor.package": True, "force_disable_caches": True, **c_shim_options(4, isa)})
             return load_package(package_aoti(str(Path(directory) / "dot.pt2"), files))
 
     def sample(self, repeats: int = 3) -> dict:

@@ -9,13 +9,15 @@ import pytest
 import torch
 
 from optimum_neuronx.backends import get_backend
-from optimum_neuronx.backends.inductor import X86_FEATURE_PROBES
+from optimum_neuronx.backends.inductor import X86_FEATURE_PROBES, cpu_has
 from optimum_neuronx.modeling.decoder import Lowering
 from optimum_neuronx.modeling.ops import rows_matvec
 
 BACKEND = get_backend("inductor")
 DTYPES = [torch.bfloat16, torch.float32]
-DOT_ISA = {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: ["avx512"]}  # what exports with it need
+# What exports with each variant of the kernel need of the CPU that runs them
+DOT_ISA = {"avx512": {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: ["avx512"]},
+           "avx2": {torch.bfloat16: ["avx2"], torch.float32: ["avx2"]}}
 
 # (rows, in, out), for 64-byte lines of 32 bfloat16 or 16 float32: full lines plus a tail, lines only, a tail only
 # (K < 32), more rows than the kernel's 4 accumulators (4 + 1), output counts that leave a remainder after the
@@ -47,18 +49,24 @@ def _inputs(dtype):
     return xs, torch.randn(SHAPES[0][1], 3, generator=generator).to(dtype)
 
 
-@pytest.fixture(scope="module", params=DTYPES, ids=["bf16", "fp32"])
+def _runs_here(isa, dtype):
+    return all(cpu_has(feature) for feature in DOT_ISA[isa][dtype]) and BACKEND.has_dot_kernel(dtype)
+
+
+@pytest.fixture(scope="module", params=[(isa, dtype) for isa in DOT_ISA for dtype in DTYPES],
+                ids=[f"{isa}-{name}" for isa in DOT_ISA for name in ("bf16", "fp32")])
 def kernel_package(request, tmp_path_factory):
     from torch._inductor.package import package_aoti
 
     from optimum_neuronx.backends.inductor_kernels import c_shim_options
 
-    if not BACKEND.has_dot_kernel(request.param):
-        pytest.skip(f"rows_matvec's {request.param} kernel needs AVX-512 (bfloat16: avx512_bf16) and GCC or Clang")
-    module, args = _Projections(request.param).eval(), _inputs(request.param)
+    isa, dtype = request.param
+    if not _runs_here(isa, dtype):
+        pytest.skip(f"rows_matvec's {isa} {dtype} kernel needs {' and '.join(DOT_ISA[isa][dtype])} and GCC or Clang")
+    module, args = _Projections(dtype).eval(), _inputs(dtype)
     program = torch.export.export(module, args, strict=False)
     files = torch._inductor.aot_compile(program.module(), args, options={
-        "aot_inductor.package": True, **c_shim_options(dot_rows=4)})
+        "aot_inductor.package": True, **c_shim_options(4, isa)})
     return package_aoti(str(tmp_path_factory.mktemp("kernel") / "kernel.pt2"), files), module, args
 
 
@@ -127,16 +135,23 @@ def test_fake_kernel_names_bad_operands():
 def test_decode_lowering_uses_the_kernel_up_to_four_rows_and_packs_nothing(dtype, monkeypatch):
     if not BACKEND.has_dot_kernel(dtype):
         pytest.skip(f"no {dtype} dot kernel on this machine")
-    for batch in (1, 4):
+    best = next(isa for isa in DOT_ISA if _runs_here(isa, dtype))
+    one_row = BACKEND.lowering(dtype, batch_size=1)  # AVX2: no faster than Inductor's multiply + sum at one row
+    assert (one_row.dot_rows, one_row.dot_isa, one_row.packed_rows) == ((4, best, 0) if best == "avx512" else (0, "", 0))
+    for batch in (1, 4) if best == "avx512" else (2, 4):
         lowering = BACKEND.lowering(dtype, batch_size=batch)
         assert lowering.dot_rows == 4 and lowering.for_layers().dot_rows == 4
         assert lowering.packed_rows == 0  # the kernel reads the weights plain: nothing to reorder at load
         assert lowering.uses_dot_kernel(batch, dtype) and not lowering.uses_dot_kernel(batch, torch.float16)
-        assert set(DOT_ISA[dtype]) <= set(BACKEND.target(lowering, dtype).split())
+        # the best variant this CPU runs, and the export's target names what it needs
+        assert lowering.dot_isa == best
+        assert set(DOT_ISA[lowering.dot_isa][dtype]) <= set(BACKEND.target(lowering, dtype).split())
     wide = BACKEND.lowering(dtype, batch_size=8)
     assert not wide.uses_dot_kernel(8, dtype) and wide.uses_dot_kernel(4, dtype)
     assert wide.packed_rows == (8 if wide.onednn else 0)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)  # an AVX2 CPU takes the AVX2 variant
+    assert BACKEND.lowering(dtype, batch_size=4).dot_isa == "avx2"
+    monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: False)
     without = BACKEND.lowering(dtype, batch_size=4)
     assert without.dot_rows == 0 and without.packed_rows == (4 if without.onednn else 0)
 
@@ -162,9 +177,11 @@ def test_weights_the_kernel_reads_are_never_packed(tied):
             assert decoder.packable_weight_names() == packed, (dtype, dot_rows, packed_rows)
 
 
-@pytest.mark.parametrize("dtype, lacking", [(torch.bfloat16, "avx512_bf16"), (torch.float32, "avx512")])
-def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(dtype, lacking, monkeypatch):
-    target = BACKEND.target(Lowering(dot_rows=4), dtype)
+@pytest.mark.parametrize("isa, dtype, lacking", [("avx512", torch.bfloat16, "avx512_bf16"),
+                                                 ("avx512", torch.float32, "avx512"),
+                                                 ("avx2", torch.bfloat16, "avx2"), ("avx2", torch.float32, "avx2")])
+def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa, dtype, lacking, monkeypatch):
+    target = BACKEND.target(Lowering(dot_rows=4, dot_isa=isa), dtype)
     assert lacking in target.split()
     # This CPU pretends to have everything else the target names, whatever it really has.
     for feature in target.split()[1:]:

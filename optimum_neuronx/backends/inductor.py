@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ..modeling.decoder import Lowering
 from .base import Backend, CompiledGraph, GraphSpec
 from .inductor_codegen import codegen_options, decode_codegen
-from .inductor_kernels import c_shim_options, kernel_digests
+from .inductor_kernels import DOT_KERNEL_ISAS, c_shim_options, kernel_digests
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,10 @@ X86_FEATURE_PROBES = {
 # Decode rows up to which projections use our dot-product kernel (it keeps one accumulator per row; wide input
 # rows it cuts into pieces that stay in L1, kernels/rows_matvec.cpp).
 DOT_KERNEL_ROWS = 4
-# What the dot kernel (kernels/rows_matvec.cpp) needs, per dtype, in X86_FEATURE_PROBES' names.
-DOT_KERNEL_ISA = {torch.bfloat16: ("avx512", "avx512_bf16"), torch.float32: ("avx512",)}
+# The smallest batch (decode rows) each variant of the dot kernel takes. At one row the AVX2 variant streamed no
+# faster than Inductor's multiply + sum (Zen 3: SmolLM2 fp32 batch 1 token steps 0.93x, 8 of 8 rounds; 1 GiB probe
+# 0.92-1.04x), so batch 1 keeps the multiply + sum there (docs/performance.md).
+DOT_KERNEL_MIN_BATCH = {"avx512": 1, "avx2": 2}
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
 
@@ -88,7 +90,7 @@ class InductorBackend(Backend):
         # dot products (see gemm_dtype); elsewhere the multiply + sum up to 4 rows, and above that the float32
         # GEMM. Decode attention: fused reductions, up to 2x faster than the CPU flash-attention kernel. Prefill
         # attention: 128-token query blocks that skip the keys after them, 10% off a 512-token prefill (1.1B bf16).
-        # bfloat16 (with avx512_bf16) and float32 decode on AVX-512: our dot-product kernel (inductor_kernels.py)
+        # bfloat16 and float32 decode on AVX-512 or AVX2: our dot-product kernel (inductor_kernels.py)
         # for every projection up to DOT_KERNEL_ROWS rows, which it streams at 4 rows nearly as fast as at 1, where
         # oneDNN spends ~14 us per call outside its kernel (SmolLM2 batch 4: a fifth of the step) and the multiply +
         # sum spends 40 instructions per 64-byte line of bfloat16. Its weights stay plain (memory-mapped): only
@@ -97,19 +99,27 @@ class InductorBackend(Backend):
             return Lowering(gemm_dtype=self.gemm_dtype(dtype))
         gemm_dtype = self.gemm_dtype(dtype)
         onednn = gemm_dtype == dtype and torch.backends.mkldnn.is_available()
-        dot_rows = DOT_KERNEL_ROWS if self.has_dot_kernel(dtype) else 0
+        dot_isa = self.dot_kernel_isa(dtype)
+        if dot_isa and batch_size < DOT_KERNEL_MIN_BATCH[dot_isa]:
+            dot_isa = ""
+        dot_rows = DOT_KERNEL_ROWS if dot_isa else 0
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
-        return Lowering(dot_rows=dot_rows, matvec_rows=4,
+        return Lowering(dot_rows=dot_rows, dot_isa=dot_isa, matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
                         causal_block=128)
 
-    def has_dot_kernel(self, dtype: torch.dtype) -> bool:
-        """Whether this machine can compile and run `rows_matvec`'s kernel for `dtype` (AVX-512, and avx512_bf16 for
-        bfloat16; GCC or Clang)."""
+    def dot_kernel_isa(self, dtype: torch.dtype) -> str:
+        """The best variant of `rows_matvec`'s kernel this machine can compile and run for `dtype` (AVX-512 with
+        avx512_bf16 for bfloat16, else AVX2; GCC or Clang), "" if none."""
         from torch._inductor import cpp_builder
 
-        return (dtype in DOT_KERNEL_ISA and all(cpu_has(feature) for feature in DOT_KERNEL_ISA[dtype])
-                and (cpp_builder.is_gcc() or cpp_builder.is_clang()))
+        if not (cpp_builder.is_gcc() or cpp_builder.is_clang()):
+            return ""
+        return next((isa for isa, needs in DOT_KERNEL_ISAS.items()
+                     if dtype in needs and all(cpu_has(feature) for feature in needs[dtype])), "")
+
+    def has_dot_kernel(self, dtype: torch.dtype) -> bool:
+        return bool(self.dot_kernel_isa(dtype))
 
     def pack_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
         # oneDNN's blocked layout depends on this CPU and this torch build: reordered at load, never saved.
@@ -142,7 +152,7 @@ class InductorBackend(Backend):
         names = [*(str(isa).split() if isa else []),
                  *(name for flag, name in OPTIONAL_ISA_FLAGS.items() if flag in flags)]
         if lowering is not None and lowering.dot_rows:
-            names += [name for name in DOT_KERNEL_ISA.get(dtype, ()) if name not in names]
+            names += [name for name in DOT_KERNEL_ISAS[lowering.dot_isa].get(dtype, ()) if name not in names]
         return " ".join(["cpu", *names])
 
     def missing_target_support(self, target: str) -> str:
@@ -180,7 +190,7 @@ class InductorBackend(Backend):
                 args = example_inputs(graph)
                 program = torch.export.export(decoder, args, strict=False)
                 options = {
-                    **c_shim_options(decoder.lowering.dot_rows),
+                    **c_shim_options(decoder.lowering.dot_rows, decoder.lowering.dot_isa),
                     **user_options,
                     "aot_inductor.package": True,
                     "aot_inductor.package_constants_in_so": False,

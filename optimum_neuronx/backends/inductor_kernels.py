@@ -33,12 +33,24 @@ def kernel_digests() -> dict:
     return {name: hashlib.sha256(kernel_source(name).encode()).hexdigest()[:16] for name in (ROWS_MATVEC,)}
 
 
-def c_shim_options(dot_rows: int) -> dict:
-    """Inductor options that compile `rows_matvec` into the graph (when the lowering uses it)."""
+# The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86
+# feature names of backends/inductor.py). bfloat16 on AVX-512 without avx512_bf16 takes the AVX2 variant.
+DOT_KERNEL_ISAS = {
+    "avx512": {torch.bfloat16: ("avx512", "avx512_bf16"), torch.float32: ("avx512",)},
+    "avx2": {torch.bfloat16: ("avx2",), torch.float32: ("avx2",)},
+}
+
+
+def c_shim_options(dot_rows: int, isa: str) -> dict:
+    """Inductor options that compile `rows_matvec`'s variant for `isa` (a DOT_KERNEL_ISAS key) into the graph (when
+    the lowering uses it)."""
     if not dot_rows:
         return {}
+    if isa not in DOT_KERNEL_ISAS:
+        raise ValueError(f"rows_matvec has no {isa!r} variant; it has {sorted(DOT_KERNEL_ISAS)}.")
     # Inductor writes each string as `extern <string>;` inside an `extern "C" { ... }` block: `extern "C++" { ... }`
     # gives the source its own linkage block, in which the shim function declares itself extern "C".
-    source = (f'"C++" {{\n#define OPTIMUM_NEURONX_ROW_PREFETCH_BYTES {ROW_PREFETCH_BYTES}\n'
-              f"{kernel_source(ROWS_MATVEC)}\n#undef OPTIMUM_NEURONX_ROW_PREFETCH_BYTES\n}}")
+    defines = {"OPTIMUM_NEURONX_ROW_PREFETCH_BYTES": ROW_PREFETCH_BYTES, "OPTIMUM_NEURONX_DOT_AVX512": int(isa == "avx512")}
+    source = "".join(f"#define {name} {value}\n" for name, value in defines.items()) + kernel_source(ROWS_MATVEC)
+    source = '"C++" {\n' + source + "".join(f"\n#undef {name}" for name in defines) + "\n}"
     return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.optimum_neuronx.rows_matvec.default: [source]}}

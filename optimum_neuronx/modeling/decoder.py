@@ -72,6 +72,7 @@ class Lowering:
     dot_rows: bfloat16 or float32 projections over at most `dot_rows` rows are `rows_matvec` (ops.py), for which
         the backend compiles its own kernel (`uses_dot_kernel`), of any input width: the kernel cuts wide input
         rows into pieces that stay in cache.
+    dot_isa: the instruction set that kernel is compiled for (the backend's name, e.g. "avx512"; "" without it).
     matvec_rows: other projections over at most this many rows are one multiply + sum per row (`project`).
     gemm_dtype: dtype the other projections compute in (None: the input's).
     onednn: the other projections go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`).
@@ -85,6 +86,7 @@ class Lowering:
     """
 
     dot_rows: int = 0
+    dot_isa: str = ""
     matvec_rows: int = 0
     gemm_dtype: torch.dtype | None = None
     onednn: bool = False
@@ -106,7 +108,7 @@ class Lowering:
         return replace(self, packed_rows=0) if tied else self.for_layers()
 
     def describe(self) -> dict:
-        return {"dot_rows": self.dot_rows, "matvec_rows": self.matvec_rows,
+        return {"dot_rows": self.dot_rows, "dot_isa": self.dot_isa, "matvec_rows": self.matvec_rows,
                 "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."), "onednn": self.onednn,
                 "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens,
                 "causal_block": self.causal_block}

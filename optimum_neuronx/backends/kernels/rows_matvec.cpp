@@ -1,16 +1,20 @@
-// optimum_neuronx::rows_matvec for AOTInductor on x86 CPUs with AVX-512 (see inductor_kernels.py).
+// optimum_neuronx::rows_matvec for AOTInductor on x86 CPUs with AVX-512 or AVX2 (see inductor_kernels.py).
 //
 // y[r, n] = sum_k x[r, k] * weight[n, k] for a few rows r (decode: one per sequence), float32 sums, in and out
-// either bfloat16 (needs avx512_bf16) or float32. Each weight row is read from memory once for all rows of x:
-// one instruction per row of x and 64-byte line of weight (bfloat16: vdpbf16ps, 32 products summed in pairs
-// into 16 float32 lanes; float32: one fused multiply-add of 16 lanes). Inductor's own multiply + sum spends ~40
-// instructions per line at 4 bfloat16 rows (conversions, separate multiplies and adds) and cannot keep up with
-// memory; oneDNN keeps up but spends ~14 us per call outside its kernel, a fifth of a SmolLM2 step at batch 4.
+// either bfloat16 or float32. Each weight row is read from memory once for all rows of x. AVX-512 (bfloat16 needs
+// avx512_bf16): one instruction per row of x and 64-byte line of weight (bfloat16: vdpbf16ps, 32 products summed
+// in pairs into 16 float32 lanes; float32: one fused multiply-add of 16 lanes). AVX2: two 8-lane fused
+// multiply-adds per 64-byte line of float32; a line of bfloat16 is widened to float32 by a shift and a mask
+// (even and odd elements) and takes four, against x stored widened in that order. Inductor's own multiply + sum
+// spends ~40 instructions per line at 4 bfloat16 rows (conversions, separate multiplies and adds) and cannot keep
+// up with memory; oneDNN keeps up but spends ~14 us per call outside its kernel, a fifth of a SmolLM2 step at
+// batch 4.
 //
 // This file is spliced into the C++ wrapper of each graph that calls the op, inside `extern "C" { extern "C++"
 // { ... } }`, so the compiled graph carries its own copy and loading it needs no extra library. The wrapper
-// is compiled at -O1: the hot functions ask for -O3 themselves. OPTIMUM_NEURONX_ROW_PREFETCH_BYTES is defined
-// in front of this file.
+// is compiled at -O1: the hot functions ask for -O3 themselves. OPTIMUM_NEURONX_ROW_PREFETCH_BYTES and
+// OPTIMUM_NEURONX_DOT_AVX512 (1: the AVX-512 variant, 0: AVX2; the export's target names what it needs) are
+// defined in front of this file.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -30,22 +34,50 @@ inline uint16_t round_to_bf16(float value) {
   return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-// One element type's 64-byte line: load a weight line (whole, or its first `count` elements), multiply it by a
-// line of x and add to 16 float32 lanes, round a float32 sum to an element.
-// kBlockRows: weight rows per block for several rows of x (dot_block). Measured on SmolLM2's projections, 2 threads,
+// One row of x into the kernel's buffer as it is, zero-padded to k_padded elements.
+template <typename Element>
+void copy_row(Element* dst, const Element* x, int64_t k, int64_t col_stride, int64_t k_padded) {
+  if (col_stride == 1) {  // the usual case: one copy per row (element by element it took 3% of a decode step)
+    __builtin_memcpy(dst, x, k * sizeof(Element));
+  } else {
+    for (int64_t i = 0; i < k; ++i) dst[i] = x[i * col_stride];
+  }
+  __builtin_memset(dst + k, 0, (k_padded - k) * sizeof(Element));
+}
+
+// One element type's 64-byte line of weight, for one instruction set: Acc, the float32 lanes it is summed into
+// (zero, add, reduce); load a weight line (whole, or its first `count` elements); XElement, x as the kernel keeps
+// it (copy_x_row: x's row into that form, zero-padded to whole lines), and load_x, one line of it for
+// multiply_add; store, a float32 sum rounded to an element; lines_per_step (below).
+// kBlockRows: weight rows per block for several rows of x (dot_block). AVX-512, measured on Zen 4 with SmolLM2's
+// projections, 2 threads,
 // a slow memory phase (~24 GB/s): at 4 float32 rows, blocks of 4 ran its batch-4 token graph 11% faster than
 // oneDNN (one row at a time: 1%) and streamed the projections 1.5x faster with weights in cache; at 4 bfloat16
 // rows, blocks of 4 ran the token graph 4-7% slower than one row at a time (bfloat16 lines hold twice the inputs
 // for the same multiply-adds: the loop is further from its compute limit). At 1 row, single weight rows stream
 // memory ~10% faster than blocks.
-// kPieceBytes: the most input bytes (all rows of x) one pass over the weight rows takes (piece_columns; 0: whole
-// rows). Measured on the 1.1B shape's projections (22 layers of each from memory, 2 threads, a slow memory phase,
+// kPieceBytes: the most bytes of x (all rows, as the kernel keeps it) one pass over the weight rows takes
+// (piece_columns; 0: whole rows). AVX-512, measured on the 1.1B shape's projections (22 layers of each from memory, 2 threads, a slow memory phase,
 // ~32 GB/s), against one row of x: 4 bfloat16 rows of 5632 (45 KiB) whole streamed at 0.64x, in pieces of at most
 // 24 KiB 0.98x, 16 KiB 0.93x, 8 KiB 0.80x; rows of 2048 (16 KiB) whole 1.0x. Blocks of 4 float32 weight rows load
 // each line of x once per 4 weight lines: whole rows of 5632 (90 KiB) ran 1.06-1.10x faster than pieces of 22 KiB.
-struct BFloat16Lines {
+#if OPTIMUM_NEURONX_DOT_AVX512
+struct Avx512Lanes {
+  using Acc = __m512;
+  __attribute__((target("avx512f"), always_inline)) static inline Acc zero() { return _mm512_setzero_ps(); }
+  __attribute__((target("avx512f"), always_inline)) static inline Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  __attribute__((target("avx512f"), always_inline)) static inline float reduce(Acc a) { return _mm512_reduce_add_ps(a); }
+  // Independent chains of multiply-adds (one per accumulator): vdpbf16ps takes 6 cycles on Zen 4, a float32
+  // multiply-add 4, so fewer than ~8 chains leave the core idle between lines. C harness, 2 threads, SmolLM2's
+  // projections from memory: bfloat16 4 rows 1.1-1.4x, 1 row 1.05x; the 1.1B shape at 1 row within 2%.
+  static constexpr int lines_per_step(int accumulators) { return accumulators >= 8 ? 1 : accumulators >= 4 ? 2 : 4; }
+};
+
+struct BFloat16Lines : Avx512Lanes {
   using Element = uint16_t;
+  using XElement = uint16_t;
   using Vector = __m512bh;
+  using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int kBlockRows = 1;
   static constexpr int64_t kPieceBytes = 24576;
@@ -64,11 +96,16 @@ struct BFloat16Lines {
     return _mm512_dpbf16_ps(acc, w, (Vector)x);
   }
   static inline Element store(float sum) { return round_to_bf16(sum); }
+  static void copy_x_row(XElement* dst, const Element* x, int64_t k, int64_t col_stride, int64_t k_padded) {
+    copy_row(dst, x, k, col_stride, k_padded);
+  }
 };
 
-struct Float32Lines {
+struct Float32Lines : Avx512Lanes {
   using Element = float;
+  using XElement = float;
   using Vector = __m512;
+  using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int kBlockRows = 4;
   static constexpr int64_t kPieceBytes = 0;
@@ -87,25 +124,135 @@ struct Float32Lines {
     return _mm512_fmadd_ps(w, x, acc);
   }
   static inline Element store(float sum) { return sum; }
+  static void copy_x_row(XElement* dst, const Element* x, int64_t k, int64_t col_stride, int64_t k_padded) {
+    copy_row(dst, x, k, col_stride, k_padded);
+  }
 };
 
 // One target for both element types (GCC inlines intrinsics only into functions that enable their instruction
 // set); the float32 instantiations emit no bfloat16 instruction and run on any AVX-512 CPU.
 #define OPTIMUM_NEURONX_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16"), optimize("O3")))
+#else
 
-// Lines of weight per step, each with its own accumulators: one chain of multiply-adds waits on the previous
-// result (vdpbf16ps takes 6 cycles on Zen 4, a float32 multiply-add 4), so fewer than ~8 chains leave the core
-// idle between lines. C harness, 2 threads, SmolLM2's projections from memory: bfloat16 4 rows 1.1-1.4x, 1 row
-// 1.05x; the 1.1B shape at 1 row, where memory is the limit, within 2%.
-template <int R, int C>
-constexpr int kLinesPerStep = R * C >= 8 ? 1 : R * C >= 4 ? 2 : 4;
+// AVX2: 16 vector registers of 8 float32 lanes. A 64-byte line takes two accumulators (float32: its halves;
+// bfloat16: its even and its odd elements), so chains are counted in pairs, and one weight row at a time keeps
+// a block's accumulators in registers (4 rows of x: 8). x is cut into pieces of at most 16 KiB (half of Zen 3's
+// L1) for both element types.
+struct Avx2Lanes {
+  struct Acc {
+    __m256 a, b;
+  };
+  __attribute__((target("avx2,fma"), always_inline)) static inline Acc zero() {
+    return {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
+  __attribute__((target("avx2,fma"), always_inline)) static inline Acc add(Acc x, Acc y) {
+    return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)};
+  }
+  __attribute__((target("avx2,fma"), always_inline)) static inline float reduce(Acc x) {
+    const __m256 v = _mm256_add_ps(x.a, x.b);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  // 4-cycle multiply-adds, two per cycle on Zen 3: ~8 chains, i.e. 4 line accumulators, keep it busy.
+  static constexpr int lines_per_step(int accumulators) { return accumulators >= 3 ? 1 : accumulators >= 2 ? 2 : 4; }
+  static constexpr int kBlockRows = 1;
+  static constexpr int64_t kPieceBytes = 16384;
+  using XElement = float;
+  using XLine = const float*;
+  __attribute__((target("avx2,fma"), always_inline)) static inline XLine load_x(const float* x) { return x; }
+};
+
+struct Float32Lines : Avx2Lanes {
+  using Element = float;
+  static constexpr int64_t kLine = kLineBytes / sizeof(Element);
+  struct Vector {
+    __m256 a, b;
+  };
+  __attribute__((target("avx2,fma"), always_inline)) static inline Vector load(const Element* p) {
+    return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  }
+  __attribute__((target("avx2,fma"), always_inline)) static inline Vector load_first(const Element* p,
+                                                                                     int64_t count) {
+    // maskload reads nothing past the row where the mask is off (the last row may end a mapping)
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i first = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lane);
+    const __m256i second = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count) - 8), lane);
+    return {_mm256_maskload_ps(p, first), _mm256_maskload_ps(p + 8, second)};
+  }
+  __attribute__((target("avx2,fma"), always_inline)) static inline Acc multiply_add(Acc acc, Vector w, XLine x) {
+    return {_mm256_fmadd_ps(w.a, _mm256_load_ps(x), acc.a), _mm256_fmadd_ps(w.b, _mm256_load_ps(x + 8), acc.b)};
+  }
+  static inline Element store(float sum) { return sum; }
+  static void copy_x_row(XElement* dst, const Element* x, int64_t k, int64_t col_stride, int64_t k_padded) {
+    copy_row(dst, x, k, col_stride, k_padded);
+  }
+};
+
+struct BFloat16Lines : Avx2Lanes {
+  using Element = uint16_t;
+  static constexpr int64_t kLine = kLineBytes / sizeof(Element);
+  // A line's 32 weights widened: even and odd elements of its first 16, then of its last 16. x is kept in
+  // the same order (copy_x_row), so the products pair up without shuffles.
+  struct Vector {
+    __m256 even0, odd0, even1, odd1;
+  };
+  __attribute__((target("avx2,fma"), always_inline)) static inline void widen(__m256i w, __m256& even, __m256& odd) {
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  __attribute__((target("avx2,fma"), always_inline)) static inline Vector load(const Element* p) {
+    Vector v;
+    widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), v.even0, v.odd0);
+    widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)), v.even1, v.odd1);
+    return v;
+  }
+  __attribute__((target("avx2,fma"), always_inline)) static inline Vector load_first(const Element* p,
+                                                                                     int64_t count) {
+    // No 16-bit masked load in AVX2: the row's last elements go through a zeroed line (read nothing past the row)
+    alignas(64) Element line[kLine] = {};
+    __builtin_memcpy(line, p, count * sizeof(Element));
+    return load(line);
+  }
+  __attribute__((target("avx2,fma"), always_inline)) static inline Acc multiply_add(Acc acc, const Vector& w,
+                                                                                    XLine x) {
+    acc.a = _mm256_fmadd_ps(w.even0, _mm256_load_ps(x), acc.a);
+    acc.b = _mm256_fmadd_ps(w.odd0, _mm256_load_ps(x + 8), acc.b);
+    acc.a = _mm256_fmadd_ps(w.even1, _mm256_load_ps(x + 16), acc.a);
+    acc.b = _mm256_fmadd_ps(w.odd1, _mm256_load_ps(x + 24), acc.b);
+    return acc;
+  }
+  static inline Element store(float sum) { return round_to_bf16(sum); }
+  // x widened to float32, each line in load()'s order: x[i + 2j] at 16 * (i / 16) + j, x[i + 2j + 1] 8 further.
+  __attribute__((target("avx2,fma"))) static void copy_x_row(XElement* dst, const Element* x, int64_t k,
+                                                              int64_t col_stride, int64_t k_padded) {
+    int64_t i = 0;
+    if (col_stride == 1) {
+      for (; i + 16 <= k; i += 16) {
+        __m256 even, odd;
+        widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), even, odd);
+        _mm256_store_ps(dst + i, even);
+        _mm256_store_ps(dst + i + 8, odd);
+      }
+    }
+    __builtin_memset(dst + i, 0, (k_padded - i) * sizeof(XElement));
+    for (; i < k; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(x[i * col_stride]) << 16;
+      __builtin_memcpy(dst + i / 16 * 16 + (i % 2) * 8 + (i % 16) / 2, &bits, sizeof(bits));
+    }
+  }
+};
+
+#define OPTIMUM_NEURONX_DOT_TARGET __attribute__((target("avx2,fma"), optimize("O3")))
+#endif
 
 // Adds one 64-byte line of C weight rows (from column i; only its first k - i elements when kTail) times R rows
 // of x to acc[c][r]. kPieces: the rows are read a piece at a time (dot_rows), and the prefetch reaches `ahead`
 // elements past each line: into the same piece of a later row.
 template <typename Lines, int R, int C, bool kTail, bool kPieces>
 OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
-    __m512 (&acc)[C][R], const typename Lines::Element* __restrict row, const typename Lines::Element* __restrict x,
+    typename Lines::Acc (&acc)[C][R], const typename Lines::Element* __restrict row,
+    const typename Lines::XElement* __restrict x,
     int64_t k, int64_t k_padded, int64_t i, int64_t ahead) {
   constexpr int64_t line = Lines::kLine;
   typename Lines::Vector w[C];
@@ -124,7 +271,7 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    const __m512 xr = Lines::load_x(x + r * k_padded + i);  // zero past k: masked-off weights multiply zeros
+    const typename Lines::XLine xr = Lines::load_x(x + r * k_padded + i);  // zero past k: masked-off weights multiply zeros
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[c][r] = Lines::multiply_add(acc[c][r], w[c], xr);
   }
@@ -135,17 +282,17 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
 // of x: at 4 x 4 a weight line costs 2 loads and 4 multiply-adds, where one weight row at a time costs 5 loads.
 template <typename Lines, int R, int C, bool kPieces>
 OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void dot_block(
-    const typename Lines::Element* __restrict row, const typename Lines::Element* __restrict x, int64_t k,
+    const typename Lines::Element* __restrict row, const typename Lines::XElement* __restrict x, int64_t k,
     int64_t k_padded, int64_t begin, int64_t end, int64_t ahead, float (&sums)[C][R]) {
   constexpr int64_t line = Lines::kLine;
-  constexpr int U = kLinesPerStep<R, C>;
-  __m512 acc[U][C][R];
+  constexpr int U = Lines::lines_per_step(R * C);  // lines per step, each with its own accumulators
+  typename Lines::Acc acc[U][C][R];
 #pragma GCC unroll 4
   for (int u = 0; u < U; ++u)
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c)
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[u][c][r] = _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) acc[u][c][r] = Lines::zero();
   int64_t i = begin;
   for (; i + U * line <= end; i += U * line)
 #pragma GCC unroll 4
@@ -157,10 +304,10 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void dot_block(
   for (int c = 0; c < C; ++c)
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      __m512 sum = acc[0][c][r];
+      typename Lines::Acc sum = acc[0][c][r];
 #pragma GCC unroll 4
-      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][c][r]);
-      sums[c][r] = _mm512_reduce_add_ps(sum);
+      for (int u = 1; u < U; ++u) sum = Lines::add(sum, acc[u][c][r]);
+      sums[c][r] = Lines::reduce(sum);
     }
 }
 
@@ -169,7 +316,7 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void dot_block(
 // piece, rounded to y[r * n_out + n]; a single piece (first and last) writes y alone.
 template <typename Lines, int R, int C, bool kPieces>
 OPTIMUM_NEURONX_DOT_TARGET void dot_piece(const typename Lines::Element* __restrict weight,
-                                          const typename Lines::Element* __restrict x, int64_t k, int64_t k_padded,
+                                          const typename Lines::XElement* __restrict x, int64_t k, int64_t k_padded,
                                           int64_t n_out, int64_t n_begin, int64_t n_end, int64_t begin, int64_t end,
                                           int64_t ahead, bool first, bool last, float* __restrict partial,
                                           typename Lines::Element* __restrict y) {
@@ -203,7 +350,7 @@ template <typename Lines>
 int64_t piece_columns(int rows, int64_t k) {
   constexpr int64_t line = Lines::kLine;
   if (Lines::kPieceBytes == 0) return k;
-  int64_t most = Lines::kPieceBytes / (rows * int64_t(sizeof(typename Lines::Element))) / line * line;
+  int64_t most = Lines::kPieceBytes / (rows * int64_t(sizeof(typename Lines::XElement))) / line * line;
   if (most < line) most = line;
   const int64_t pieces = (k + most - 1) / most;
   return ((k + pieces - 1) / pieces + line - 1) / line * line;
@@ -212,7 +359,7 @@ int64_t piece_columns(int rows, int64_t k) {
 // Weight rows [n_begin, n_end) times R rows of x, Lines::kBlockRows weight rows at a time for several rows of x.
 template <typename Lines, int R>
 OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restrict weight,
-                                         const typename Lines::Element* __restrict x, int64_t k, int64_t k_padded,
+                                         const typename Lines::XElement* __restrict x, int64_t k, int64_t k_padded,
                                          int64_t n_out, int64_t n_begin, int64_t n_end, int64_t piece,
                                          float* __restrict partial, typename Lines::Element* __restrict y) {
   constexpr int C = R == 1 ? 1 : Lines::kBlockRows;
@@ -234,7 +381,7 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restri
 }
 
 template <typename Lines, int R>
-void dot_rows_parallel(const typename Lines::Element* weight, const typename Lines::Element* x, int64_t k,
+void dot_rows_parallel(const typename Lines::Element* weight, const typename Lines::XElement* x, int64_t k,
                        int64_t k_padded, int64_t n_out, int64_t piece, float* partial, typename Lines::Element* y) {
 #pragma omp parallel
   {
@@ -257,21 +404,14 @@ Element* kept_buffer(int64_t count) {
   return buffer;
 }
 
-// x copied into a 64-byte aligned, zero-padded buffer: unaligned 64-byte loads of x ran 2.7x slower at 4 rows.
-template <typename Element>
-const Element* aligned_rows(const Element* x, int64_t rows, int64_t k, int64_t row_stride, int64_t col_stride,
-                            int64_t k_padded) {
-  Element* buffer = kept_buffer<Element, 0>(rows * k_padded);
+// x copied into a 64-byte aligned, zero-padded buffer, in the form the kernel reads (Lines::copy_x_row): unaligned
+// 64-byte loads of x ran 2.7x slower at 4 rows.
+template <typename Lines>
+const typename Lines::XElement* aligned_rows(const typename Lines::Element* x, int64_t rows, int64_t k,
+                                             int64_t row_stride, int64_t col_stride, int64_t k_padded) {
+  typename Lines::XElement* buffer = kept_buffer<typename Lines::XElement, 0>(rows * k_padded);
   if (!buffer) return nullptr;
-  for (int64_t r = 0; r < rows; ++r) {
-    Element* dst = buffer + r * k_padded;
-    if (col_stride == 1) {  // the usual case: one copy per row (element by element it took 3% of a decode step)
-      __builtin_memcpy(dst, x + r * row_stride, k * sizeof(Element));
-    } else {
-      for (int64_t i = 0; i < k; ++i) dst[i] = x[r * row_stride + i * col_stride];
-    }
-    __builtin_memset(dst + k, 0, (k_padded - k) * sizeof(Element));
-  }
+  for (int64_t r = 0; r < rows; ++r) Lines::copy_x_row(buffer + r * k_padded, x + r * row_stride, k, col_stride, k_padded);
   return buffer;
 }
 
@@ -284,8 +424,8 @@ bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_dat
   const Element* w = static_cast<const Element*>(w_data);
   for (int64_t first = 0; first < rows; first += kMaxRows) {
     const int64_t count = rows - first < kMaxRows ? rows - first : kMaxRows;
-    const Element* xs = aligned_rows(static_cast<const Element*>(x_data) + first * x_strides[0], count, k,
-                                     x_strides[0], x_strides[1], k_padded);
+    const typename Lines::XElement* xs = aligned_rows<Lines>(static_cast<const Element*>(x_data) + first * x_strides[0],
+                                                             count, k, x_strides[0], x_strides[1], k_padded);
     const int64_t piece = piece_columns<Lines>(count, k);
     float* partial = piece < k ? kept_buffer<float, 1>(count * n_out) : nullptr;
     if (!xs || (piece < k && !partial)) return false;
