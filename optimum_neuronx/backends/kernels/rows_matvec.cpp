@@ -34,16 +34,19 @@ inline uint16_t round_to_bf16(float value) {
   return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-// One row of x into the kernel's buffer as it is, zero-padded to k_padded elements.
-template <typename Element>
-void copy_row(Element* dst, const Element* x, int64_t k, int64_t col_stride, int64_t k_padded) {
-  if (col_stride == 1) {  // the usual case: one copy per row (element by element it took 3% of a decode step)
-    __builtin_memcpy(dst, x, k * sizeof(Element));
-  } else {
-    for (int64_t i = 0; i < k; ++i) dst[i] = x[i * col_stride];
+// Lines that keep x as it is: copy_x_row copies one row of x into the kernel's buffer, zero-padded to k_padded
+// elements. (The AVX2 bfloat16 lines keep x widened instead, with their own copy_x_row.)
+struct PlainX {
+  template <typename Element>
+  static void copy_x_row(Element* dst, const Element* x, int64_t k, int64_t col_stride, int64_t k_padded) {
+    if (col_stride == 1) {  // the usual case: one copy per row (element by element it took 3% of a decode step)
+      __builtin_memcpy(dst, x, k * sizeof(Element));
+    } else {
+      for (int64_t i = 0; i < k; ++i) dst[i] = x[i * col_stride];
+    }
+    __builtin_memset(dst + k, 0, (k_padded - k) * sizeof(Element));
   }
-  __builtin_memset(dst + k, 0, (k_padded - k) * sizeof(Element));
-}
+};
 
 // One element type's 64-byte line of weight, for one instruction set: Acc, the float32 lanes it is summed into
 // (zero, add, reduce); load a weight line (whole, or its first `count` elements); XElement, x as the kernel keeps
@@ -62,7 +65,7 @@ void copy_row(Element* dst, const Element* x, int64_t k, int64_t col_stride, int
 // 24 KiB 0.98x, 16 KiB 0.93x, 8 KiB 0.80x; rows of 2048 (16 KiB) whole 1.0x. Blocks of 4 float32 weight rows load
 // each line of x once per 4 weight lines: whole rows of 5632 (90 KiB) ran 1.06-1.10x faster than pieces of 22 KiB.
 #if OPTIMUM_NEURONX_DOT_AVX512
-struct Avx512Lanes {
+struct Avx512Lanes : PlainX {
   using Acc = __m512;
   __attribute__((target("avx512f"), always_inline)) static inline Acc zero() { return _mm512_setzero_ps(); }
   __attribute__((target("avx512f"), always_inline)) static inline Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
@@ -96,9 +99,6 @@ struct BFloat16Lines : Avx512Lanes {
     return _mm512_dpbf16_ps(acc, w, (Vector)x);
   }
   static inline Element store(float sum) { return round_to_bf16(sum); }
-  static void copy_x_row(XElement* dst, const Element* x, int64_t k, int64_t col_stride, int64_t k_padded) {
-    copy_row(dst, x, k, col_stride, k_padded);
-  }
 };
 
 struct Float32Lines : Avx512Lanes {
@@ -124,9 +124,6 @@ struct Float32Lines : Avx512Lanes {
     return _mm512_fmadd_ps(w, x, acc);
   }
   static inline Element store(float sum) { return sum; }
-  static void copy_x_row(XElement* dst, const Element* x, int64_t k, int64_t col_stride, int64_t k_padded) {
-    copy_row(dst, x, k, col_stride, k_padded);
-  }
 };
 
 // One target for both element types (GCC inlines intrinsics only into functions that enable their instruction
@@ -138,7 +135,7 @@ struct Float32Lines : Avx512Lanes {
 // bfloat16: its even and its odd elements), so chains are counted in pairs, and one weight row at a time keeps
 // a block's accumulators in registers (4 rows of x: 8). x is cut into pieces of at most 16 KiB (half of Zen 3's
 // L1) for both element types.
-struct Avx2Lanes {
+struct Avx2Lanes : PlainX {
   struct Acc {
     __m256 a, b;
   };
@@ -184,9 +181,6 @@ struct Float32Lines : Avx2Lanes {
     return {_mm256_fmadd_ps(w.a, _mm256_load_ps(x), acc.a), _mm256_fmadd_ps(w.b, _mm256_load_ps(x + 8), acc.b)};
   }
   static inline Element store(float sum) { return sum; }
-  static void copy_x_row(XElement* dst, const Element* x, int64_t k, int64_t col_stride, int64_t k_padded) {
-    copy_row(dst, x, k, col_stride, k_padded);
-  }
 };
 
 struct BFloat16Lines : Avx2Lanes {
