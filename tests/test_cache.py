@@ -1,8 +1,10 @@
 """Compile cache: hit, miss with its reason, corruption, concurrent exports, and the CLI."""
 
 import logging
+import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.cache import CompileCache
+from optimum_neuronx.backends.workers import COMPILE_WORKERS_ENV
 from optimum_neuronx.exporters import export as export_module
 
 SMALL = dict(batch_size=1, sequence_length=32, context_buckets=[16], token_buckets=[32])
@@ -55,7 +58,7 @@ def test_miss_says_which_field_differs(filled_cache, tiny_checkpoint):
     assert CompileCache(cache_dir.parent / "empty").miss_reason(key) == "the cache is empty"
 
 
-def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, tmp_path, caplog):
+def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, tmp_path, caplog, monkeypatch):
     model = _export(tiny_checkpoint("qwen2"), tmp_path, auto_cast_type="bf16")
     (entry, _), = CompileCache(tmp_path).entries()
     graph = entry / "model.pt2"
@@ -63,12 +66,25 @@ def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, tmp_path, ca
     data[len(data) // 2] ^= 0xFF  # same size, different content: only the hash can tell
     graph.unlink()  # break the hard link the first export's directory shares
     graph.write_bytes(bytes(data))
+    # The first export compiled its two graphs in forked workers (on a machine with 2+ cores); this one compiles
+    # them one after the other in this process: both must generate the same C++.
+    monkeypatch.setenv(COMPILE_WORKERS_ENV, "1")
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
         again = _export(tiny_checkpoint("qwen2"), tmp_path, auto_cast_type="bf16")
     assert "is corrupted (model.pt2 does not match its sha256): evicted, recompiling" in caplog.text
     assert "Compile cache miss" in caplog.text and "Stored in the compile cache" in caplog.text
     expected = model.generate(PROMPT, max_new_tokens=10, do_sample=False)
     assert torch.equal(again.generate(PROMPT, max_new_tokens=10, do_sample=False), expected)
+    sources = _cpp_sources(model.artifact_dir / "model.pt2")
+    assert len(sources) == 4 and sources == _cpp_sources(again.artifact_dir / "model.pt2")
+
+
+def _cpp_sources(package: Path) -> dict:
+    """The C++ files in an AOTInductor package, without the paths of the build directory they were written in."""
+    with zipfile.ZipFile(package) as archive:
+        build_dir = re.compile(r"[^\s\"']*optimum-neuronx-aoti-[^/\s\"']*")
+        return {name.rsplit("/", 1)[-1]: build_dir.sub("", archive.read(name).decode())
+                for name in archive.namelist() if name.endswith(".cpp")}
 
 
 EXPORT_SCRIPT = """

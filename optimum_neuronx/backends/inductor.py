@@ -6,6 +6,7 @@ Weights live once in model.safetensors and are handed to every graph with
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -16,12 +17,11 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
-from tqdm.auto import tqdm
-
 from ..modeling.decoder import Lowering
 from .base import Backend, CompiledGraph, GraphSpec
 from .inductor_codegen import codegen_options, decode_codegen
 from .inductor_kernels import DOT_KERNEL_ISAS, c_shim_options, kernel_digests
+from .workers import compile_workers, map_in_workers
 
 logger = logging.getLogger(__name__)
 
@@ -182,31 +182,19 @@ class InductorBackend(Backend):
     def compile(self, decoder, graphs, example_inputs, out_dir, compiler_args) -> dict[str, float]:
         from torch._inductor.package import package_aoti
 
-        user_options = parse_compiler_args(compiler_args)
-        files, times = {}, {}
+        options = {**c_shim_options(decoder.lowering.dot_rows, decoder.lowering.dot_isa),
+                   **parse_compiler_args(compiler_args)}
+        start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="optimum-neuronx-aoti-") as build_dir:
-            for graph in tqdm(graphs, desc="Compiling graphs", unit="graph"):
-                start = time.perf_counter()
-                args = example_inputs(graph)
-                program = torch.export.export(decoder, args, strict=False)
-                options = {
-                    **c_shim_options(decoder.lowering.dot_rows, decoder.lowering.dot_isa),
-                    **user_options,
-                    "aot_inductor.package": True,
-                    "aot_inductor.package_constants_in_so": False,
-                    "aot_inductor.model_name_for_generated_files": graph.name,
-                    # A fresh directory per graph. By default AOTInductor writes into a directory named by the
-                    # hash of the FX code, which does not encode tensor shapes, and keeps files that already
-                    # exist there: an export with another sequence_length would reuse stale kernels.
-                    "aot_inductor.output_path": str(Path(build_dir) / graph.name),
-                }
-                with decode_codegen():
-                    files[graph.name] = torch._inductor.aot_compile(program.module(), args, options=options)
-                times[graph.name] = time.perf_counter() - start
-                logger.info("Compiled graph %s (tokens=%d, window=%d) in %.1f s", graph.name, graph.tokens,
-                            graph.window, times[graph.name])
+            compile_graph = functools.partial(_compile_graph, decoder, example_inputs, options, build_dir)
+            workers = compile_workers(len(graphs))
+            setup = functools.partial(_forked_worker_setup, torch.get_num_threads())
+            compiled = map_in_workers(compile_graph, graphs, workers, setup, lambda graph: f"graph {graph.name}",
+                                      desc="Compiling graphs", unit="graph")
+            files = {graph.name: graph_files for graph, (graph_files, _) in zip(graphs, compiled)}
             package_aoti(str(Path(out_dir) / PACKAGE_NAME), files)
-        return times
+        logger.info("Compiled %d graphs in %.1f s (%d at a time)", len(graphs), time.perf_counter() - start, workers)
+        return {graph.name: seconds for graph, (_, seconds) in zip(graphs, compiled)}
 
     def load(self, artifact_dir, graphs, weights) -> dict[str, CompiledGraph]:
         loaded = {}
@@ -232,6 +220,40 @@ class InductorBackend(Backend):
             loaded[graph.name] = _fast_call(runner)
             weakref.finalize(loaded[graph.name], _release_aliases, list(aliases.values()))
         return loaded
+
+
+def _compile_graph(decoder, example_inputs, options: dict, build_dir: str, graph: GraphSpec) -> tuple[list, float]:
+    """Export and compile one graph into `build_dir`: (its files, seconds taken)."""
+    start = time.perf_counter()
+    args = example_inputs(graph)
+    program = torch.export.export(decoder, args, strict=False)
+    options = {
+        **options,
+        "aot_inductor.package": True,
+        "aot_inductor.package_constants_in_so": False,
+        "aot_inductor.model_name_for_generated_files": graph.name,
+        # A fresh directory per graph. By default AOTInductor writes into a directory named by the hash of the FX
+        # code, which does not encode tensor shapes, and keeps files that already exist there: an export with
+        # another sequence_length would reuse stale kernels.
+        "aot_inductor.output_path": str(Path(build_dir) / graph.name),
+    }
+    with torch.no_grad(), decode_codegen():
+        files = torch._inductor.aot_compile(program.module(), args, options=options)
+    seconds = time.perf_counter() - start
+    logger.info("Compiled graph %s (tokens=%d, window=%d) in %.1f s", graph.name, graph.tokens, graph.window, seconds)
+    return files, seconds
+
+
+def _forked_worker_setup(threads: int) -> None:
+    # OpenMP's thread pool does not survive fork: a worker's first parallel region would wait forever for threads
+    # it does not have, so its tensor ops run on one thread. Inductor writes its kernels for the thread count
+    # torch.get_num_threads() reports (and leaves `#pragma omp parallel` unbounded when that is every CPU): report
+    # this process's so the C++ is the same as when compiled in it. Inductor compiles here, not in a pool of its own.
+    from torch._inductor import config
+
+    config.compile_threads = 1
+    torch.set_num_threads(1)
+    torch.get_num_threads = lambda: threads
 
 
 def _release_aliases(aliases: list[torch.Tensor]) -> None:
