@@ -91,6 +91,7 @@ def smollm2_tokenizer(smollm2_checkpoint):
 
 @pytest.fixture(scope="session")
 def smollm2_compiled(smollm2_checkpoint):
+    # Same shapes as test_cli.py's SmolLM2 export: one compile per session, the other a compile-cache hit.
     return NeuronModelForCausalLM.from_pretrained(
         smollm2_checkpoint, export=True, batch_size=2, sequence_length=128, context_buckets=[64],
         token_buckets=[128])
