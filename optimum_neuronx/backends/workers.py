@@ -28,7 +28,8 @@ COMPILE_WORKERS_ENV = "OPTIMUM_NEURONX_COMPILE_WORKERS"
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
-# What forked workers run: set before the pool forks them, so that nothing but an index crosses the process boundary.
+# In a worker: the function and items it was forked with (the parent passes them as the initializer's arguments,
+# which fork hands over without pickling), so that only an index crosses the process boundary per call.
 _JOB: tuple[Callable, Sequence] | None = None
 
 
@@ -60,31 +61,33 @@ def map_in_workers(function: Callable[[Item], Result], items: Sequence[Item], wo
     a progress bar. Each worker first runs `setup`. A worker's exception is raised here, with its traceback."""
     if workers <= 1:
         return [function(item) for item in tqdm(items, desc=desc, unit=unit)]
+    results: dict[int, Result] = {}
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                             initargs=(setup, function, items)) as pool, \
+            tqdm(total=len(items), desc=desc, unit=unit) as progress:
+        futures = {pool.submit(_run_job, index): index for index in range(len(items))}
+        try:
+            for future in as_completed(futures):
+                results[futures[future]] = _result(future.result(), describe(items[futures[future]]))
+                progress.update()
+        except BrokenProcessPool:
+            pending = [describe(items[i]) for i in range(len(items)) if i not in results]
+            raise RuntimeError(
+                f"A worker process compiling {', '.join(pending)} died without an error (killed, e.g. out of "
+                f"memory?). Compile with fewer processes: {COMPILE_WORKERS_ENV}=1 compiles one graph at a time."
+            ) from None
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+    return [results[index] for index in range(len(items))]
+
+
+def _start_worker(setup: Callable[[], None], function: Callable, items: Sequence) -> None:
     global _JOB
     _JOB = (function, items)
-    results: dict[int, Result] = {}
-    try:
-        context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=setup) as pool, \
-                tqdm(total=len(items), desc=desc, unit=unit) as progress:
-            futures = {pool.submit(_run_job, index): index for index in range(len(items))}
-            try:
-                for future in as_completed(futures):
-                    results[futures[future]] = _result(future.result(), describe(items[futures[future]]))
-                    progress.update()
-            except BrokenProcessPool:
-                pending = [describe(items[i]) for i in range(len(items)) if i not in results]
-                raise RuntimeError(
-                    f"A worker process compiling {', '.join(pending)} died without an error (killed, e.g. out of "
-                    f"memory?). Compile with fewer processes: {COMPILE_WORKERS_ENV}=1 compiles one graph at a time."
-                ) from None
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-    finally:
-        _JOB = None
-    return [results[index] for index in range(len(items))]
+    setup()
 
 
 def _run_job(index: int):
