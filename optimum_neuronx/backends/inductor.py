@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
+
 from ..modeling.decoder import Lowering
 from .base import Backend, CompiledGraph, GraphSpec
 from .inductor_codegen import codegen_options, decode_codegen

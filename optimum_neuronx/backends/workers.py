@@ -50,7 +50,7 @@ def compile_workers(jobs: int) -> int:
         wanted = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # fork is the only start method that shares the decoder without pickling it, and it is only safe on Linux,
     # before CUDA is initialized, and outside daemonic processes (which may not have children).
-    if (sys.platform != "linux" or torch.cuda.is_initialized() or multiprocessing.current_process().daemon):
+    if sys.platform != "linux" or torch.cuda.is_initialized() or multiprocessing.current_process().daemon:
         return 1
     return max(1, min(jobs, wanted))
 
