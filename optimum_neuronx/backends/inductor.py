@@ -20,6 +20,7 @@ import torch
 
 from ..modeling.decoder import Lowering
 from .base import Backend, CompiledGraph, GraphSpec
+from .inductor_build import objects_compiled_together
 from .inductor_codegen import codegen_options, decode_codegen
 from .inductor_kernels import DOT_KERNEL_ISAS, c_shim_options, kernel_digests
 from .workers import compile_workers, map_in_workers
@@ -238,7 +239,7 @@ def _compile_graph(decoder, example_inputs, options: dict, build_dir: str, graph
         # another sequence_length would reuse stale kernels.
         "aot_inductor.output_path": str(Path(build_dir) / graph.name),
     }
-    with torch.no_grad(), decode_codegen():
+    with torch.no_grad(), decode_codegen(), objects_compiled_together():
         files = torch._inductor.aot_compile(program.module(), args, options=options)
     seconds = time.perf_counter() - start
     logger.info("Compiled graph %s (tokens=%d, window=%d) in %.1f s", graph.name, graph.tokens, graph.window, seconds)
