@@ -1,7 +1,7 @@
 """Generation benchmark: Transformers eager, Transformers static cache + torch.compile, and optimum-neuronx
 compiled graphs, side by side in one run on the same prompts, with the machine's memory-bandwidth bound.
 
-    python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt: under 5 min on 2 cores
+    python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt (2 cores: 3-6 min)
     python benchmarks/bench_generate.py             # + bf16, batch 4, 512-token prompts, TinyLlama-1.1B shape
 
 Each (model, dtype, system, batch size) runs in its own subprocess, so peak RSS is per system and batch size;
@@ -15,7 +15,8 @@ and greedy tokens checked against eager for each export. Roofline: a BLAS matrix
 copy and a multiply + sum compiled like our decode projections, over a 1 GiB matrix of the job's dtype, give
 the bandwidth decode can use; the parent process samples them before and after every timed decode repeat (the
 job waits meanwhile), so a bound and the rate it bounds come from the same minutes. Bound = the median over
-those samples of the fastest probe / bytes read per decode step (streamed weights + KV cache in use). Writes
+those samples of the fastest probe / bytes read per decode step (streamed weights + KV cache in use). Before the
+first job, the checkpoints are made in a process of their own while the first probe compiles. Writes
 results.json, results.md and results.png to --output-dir.
 """
 
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import platform
 import re
@@ -37,6 +40,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -65,6 +69,18 @@ def model_checkpoint(name: str, work: Path) -> Path:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(LlamaConfig(**TINYLLAMA_SHAPE)).save_pretrained(directory)
     return directory
+
+
+def prepare_checkpoints(models: list[str], work: Path, meanwhile: Callable[[], object],
+                        make: Callable[[str, Path], Path] = model_checkpoint) -> dict[str, Path]:
+    """Every model's checkpoint (`make`), made in a process of its own while this one runs `meanwhile()` (compiling
+    a bandwidth probe): neither is timed, and each keeps a core busy for half a minute or more (SmolLM2's GGUF
+    conversion ~35 s, a probe's kernels ~45 s on a 2-core Zen 3). Both are done before this returns."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: this one's OpenMP threads do not fork
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        futures = {name: pool.submit(make, name, work) for name in models}
+        meanwhile()
+        return {name: future.result() for name, future in futures.items()}
 
 
 def prompt_inputs(checkpoint: Path, batch_size: int, prompt_tokens: int, vocab_size: int):
@@ -482,10 +498,18 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
+        probes: dict[str, BandwidthProbe] = {}  # one per dtype, for every model
+
+        def probe_for(dtype: str) -> BandwidthProbe:
+            if dtype not in probes:
+                probes[dtype] = BandwidthProbe(TORCH_DTYPES[dtype])
+            return probes[dtype]
+
+        checkpoints = prepare_checkpoints(args.models, work, meanwhile=lambda: probe_for(args.dtypes[0]))
         for model_name in args.models:
-            checkpoint = model_checkpoint(model_name, work)
+            checkpoint = checkpoints[model_name]
             for dtype in args.dtypes:
-                probe = BandwidthProbe(TORCH_DTYPES[dtype])
+                probe = probe_for(dtype)
                 for system in args.systems:
                     job = dict(checkpoint=str(checkpoint), dtype=dtype, system=system, work=str(work),
                                batch_sizes=args.batch_sizes, prompt_tokens=args.prompt_tokens,
@@ -501,7 +525,6 @@ def main():
                                                                min(args.prompt_tokens) + args.new_tokens // 2)
                             row["bound_tok_s"] = numbers["bandwidth"]["bound_gb_s"] * 1e9 / step_bytes * batch_size
                         rows.append(row)
-                del probe
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=2))
     table = markdown(rows)

@@ -76,3 +76,38 @@ def test_bandwidth_probe_reports_each_kernel(bench):
                                    rtol=2 ** -7, atol=1e-2)
     assert set(sample) == expected
     assert all(value > 0 for value in sample.values())
+
+
+def _checkpoint_made_elsewhere(name, work):
+    """A stand-in for model_checkpoint, run in the benchmark's spawned process: it finishes only once the parent's
+    `meanwhile` has seen it start, so the two cannot have run one after the other."""
+    import os
+    import time
+
+    (Path(work) / f"{name}.started").touch()
+    deadline = time.monotonic() + 60
+    while not (Path(work) / "meanwhile-done").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("meanwhile never ran while the checkpoint was being made")
+        time.sleep(0.01)
+    if name == "broken":
+        raise ValueError("no such model: broken")
+    return Path(work) / name, os.getpid()
+
+
+def test_checkpoints_are_made_in_another_process_while_the_probe_compiles(bench, tmp_path):
+    import os
+    import time
+
+    def meanwhile():
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "a.started").exists():
+            assert time.monotonic() < deadline, "the checkpoint was not being made meanwhile"
+            time.sleep(0.01)
+        (tmp_path / "meanwhile-done").touch()
+
+    made = bench.prepare_checkpoints(["a", "b"], tmp_path, meanwhile, make=_checkpoint_made_elsewhere)
+    assert {name: path for name, (path, _) in made.items()} == {"a": tmp_path / "a", "b": tmp_path / "b"}
+    assert all(pid != os.getpid() for _, pid in made.values())
+    with pytest.raises(ValueError, match="no such model: broken"):
+        bench.prepare_checkpoints(["broken"], tmp_path, lambda: None, make=_checkpoint_made_elsewhere)
