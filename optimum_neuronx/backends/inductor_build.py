@@ -13,8 +13,8 @@ import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
-# At most the wrapper, the kernels and the constants' table of one graph compile at once.
-MAX_OBJECTS_AT_ONCE = 3
+# A graph's C++ sources: the wrapper and the kernels (the constants' table is assembly, built in order).
+MAX_OBJECTS_AT_ONCE = 2
 
 
 @contextlib.contextmanager
