@@ -8,21 +8,20 @@ from .modeling.decoder import DecoderSpec
 
 
 class StaticKVCache:
-    """Preallocated K/V for every layer, written in place by the compiled graphs, plus slot validity.
+    """Preallocated K/V for every layer in one tensor (`DecoderSpec.kv_cache_shape`), written in place by the
+    compiled graphs, plus slot validity.
 
     `key_valid[b, s]` says whether cache slot s of sequence b holds a real token (left padding does not).
     """
 
     def __init__(self, spec: DecoderSpec, batch_size: int, sequence_length: int, dtype: torch.dtype):
         # Zeros, not empty: masked slots are still multiplied by 0 in attention, and 0 * NaN is NaN.
-        self.kv = [torch.zeros(spec.kv_cache_shape(batch_size, sequence_length), dtype=dtype)
-                   for _ in range(spec.num_layers)]
+        self.kv = torch.zeros(spec.kv_cache_shape(batch_size, sequence_length), dtype=dtype)
         self.key_valid = torch.zeros(batch_size, sequence_length, dtype=torch.bool)
 
     def reorder(self, rows: torch.Tensor) -> None:
         n = rows.numel()
-        for layer in self.kv:
-            layer[:, :n] = layer[:, rows]
+        self.kv[:, :, :n] = self.kv[:, :, rows]
         self.key_valid[:n] = self.key_valid[rows]
 
 
@@ -70,4 +69,4 @@ class CacheHandle:
         self._cache.reorder(beam_idx.to(torch.long))
 
     def __len__(self) -> int:
-        return len(self._cache.kv)
+        return self._cache.kv.shape[0]

@@ -8,7 +8,7 @@ from conftest import ARCHITECTURES, TINY_COMMON, TINY_CONFIGS
 from optimum_neuronx import NeuronConfig
 from optimum_neuronx.exporters import get_export_config, supported_model_types
 from optimum_neuronx.memory import GIB, check_fits_neuron_cores, estimate_memory, parameter_count
-from optimum_neuronx.modeling.decoder import StaticDecoder
+from optimum_neuronx.modeling.decoder import Lowering, StaticDecoder
 
 SMALL = NeuronConfig(sequence_length=64)
 
@@ -40,13 +40,20 @@ def test_flags_and_weight_mapping_cover_every_parameter(model_type, flags):
     spec = export_config.decoder_spec(config, SMALL)
     assert {k: getattr(spec, k) for k in flags} == flags
     hf = AutoModelForCausalLM.from_config(config)
-    decoder = StaticDecoder(spec)
-    weights = export_config.convert_weights(hf.state_dict(), decoder.parameter_names(), torch.float32)
-    assert set(weights) == set(decoder.parameter_names())
-    assert sum(w.numel() for w in weights.values()) == sum(p.numel() for p in hf.parameters())
+    hf_state = hf.state_dict()
+    hf_q = hf_state["model.layers.1.self_attn.q_proj.weight"]
     assert parameter_count(spec) == sum(p.numel() for p in hf.parameters())
-    hf_q = hf.state_dict()["model.layers.1.self_attn.q_proj.weight"]
-    assert torch.equal(weights["layers.1.qkv_proj.weight"][: hf_q.shape[0]], hf_q)
+    # Stacked layers (one loop) and, where weights are packed per layer, unrolled ones.
+    for lowering, layer_1_qkv in ((Lowering(), lambda w: w["layers.qkv_proj.weight"][1]),
+                                  (Lowering(onednn=True, packed_rows=8), lambda w: w["layers.1.qkv_proj.weight"])):
+        decoder = StaticDecoder(spec, lowering)
+        weights = export_config.convert_weights(hf_state, decoder.parameter_names(), torch.float32, spec.num_layers)
+        assert set(weights) == set(decoder.parameter_names())
+        assert sum(w.numel() for w in weights.values()) == sum(p.numel() for p in hf.parameters())
+        assert torch.equal(layer_1_qkv(weights)[: hf_q.shape[0]], hf_q)
+        restored = export_config.restore_weights(weights, hf_state)
+        assert set(restored) == {name for name, _ in hf.named_parameters()}
+        assert all(torch.equal(restored[name], hf_state[name]) for name in restored)
 
 
 @pytest.mark.parametrize("model_type, overrides, message", [

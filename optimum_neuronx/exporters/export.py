@@ -18,7 +18,7 @@ from ..configuration import NeuronConfig
 from ..kv_cache import StaticKVCache
 from ..memory import check_fits_neuron_cores, estimate_memory
 from ..modeling.decoder import DecoderSpec, StaticDecoder
-from ..version import __version__
+from ..version import ARTIFACT_FORMAT_VERSION, __version__
 from .registry import get_export_config
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def graph_specs(neuron_config: NeuronConfig) -> list[GraphSpec]:
     return contexts + [GraphSpec("token", 1, size) for size in neuron_config.token_buckets]
 
 
-def example_inputs(spec: DecoderSpec, neuron_config: NeuronConfig, graph: GraphSpec, kv_caches: list):
+def example_inputs(spec: DecoderSpec, neuron_config: NeuronConfig, graph: GraphSpec, kv_cache: torch.Tensor):
     b = neuron_config.batch_size
     return (
         torch.zeros(b, graph.tokens, dtype=torch.long),  # input_ids
@@ -37,7 +37,7 @@ def example_inputs(spec: DecoderSpec, neuron_config: NeuronConfig, graph: GraphS
         torch.zeros(1, dtype=torch.long),  # cache_start
         torch.ones(b, graph.window, dtype=torch.bool),  # key_valid
         torch.zeros(b, dtype=torch.long),  # last_index
-        kv_caches,
+        kv_cache,
     )
 
 
@@ -92,7 +92,7 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     with torch.device("meta"):
         decoder = StaticDecoder(spec, backend.lowering(neuron_config.torch_dtype, neuron_config.batch_size))
     weights = export_config.convert_weights(hf_model.state_dict(), decoder.parameter_names(),
-                                            neuron_config.torch_dtype)
+                                            neuron_config.torch_dtype, spec.num_layers)
     decoder.load_state_dict(weights, strict=False, assign=True)
     decoder.eval()
     generation_config = hf_model.generation_config
@@ -124,7 +124,8 @@ class _Prepared:
                 "packable_weights": self.decoder.packable_weight_names()}
 
     def cache_key(self) -> CacheKey:
-        versions = {"optimum_neuronx": __version__, "torch": torch.__version__, "compiler": self.backend_stamp()}
+        versions = {"optimum_neuronx": __version__, "artifact_format": ARTIFACT_FORMAT_VERSION,
+                    "torch": torch.__version__, "compiler": self.backend_stamp()}
         weights = {name: p for name, p in self.decoder.named_parameters()}
         return cache_key(self.config.to_dict(), weights_digest(weights), self.neuron_config.to_dict(), versions)
 
@@ -135,9 +136,9 @@ def _compile(p: _Prepared, output_dir: str | Path) -> dict:
     nc = p.neuron_config
     with atomic_directory(output_dir) as staging:
         save_file(dict(p.decoder.state_dict()), str(staging / WEIGHTS_NAME))
-        kv_caches = StaticKVCache(p.spec, nc.batch_size, nc.sequence_length, nc.torch_dtype).kv
+        kv_cache = StaticKVCache(p.spec, nc.batch_size, nc.sequence_length, nc.torch_dtype).kv
         with torch.no_grad():
-            times = p.backend.compile(p.decoder, p.graphs, lambda g: example_inputs(p.spec, nc, g, kv_caches),
+            times = p.backend.compile(p.decoder, p.graphs, lambda g: example_inputs(p.spec, nc, g, kv_cache),
                                       staging, nc.compiler_args)
         # Configs are written from files, never from a live model (its config carries runtime-only fields).
         p.config.save_pretrained(staging)

@@ -116,40 +116,69 @@ class ExportConfig:
         )
 
     # -- weights ----------------------------------------------------------------------------------
-    def convert_weights(self, hf_state: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> dict:
-        """Build each decoder parameter in `names` from the Transformers state dict."""
+    def convert_weights(self, hf_state: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype,
+                        num_layers: int = 0) -> dict:
+        """Build each decoder parameter in `names` from the Transformers state dict. A stacked layer parameter
+        ("layers.<name>", no index) is the `num_layers` layers' "layers.{i}.<name>" stacked along a new axis 0."""
         out = {}
         for name in names:
-            match = _LAYER_INDEX.match(name)
-            template = _LAYER_INDEX.sub("layers.{i}.", name) if match else name
-            sources = self.weight_map.get(template)
-            if sources is None:
-                raise KeyError(f"{self.model_type}: no weight mapping for decoder parameter {name!r}.")
-            hf_names = [s.format(i=match.group(1)) if match else s for s in sources]
-            missing = [n for n in hf_names if n not in hf_state]
-            if missing:
-                raise KeyError(
-                    f"{self.model_type}: the checkpoint lacks {missing} (needed for {name!r}); is this really a "
-                    f"{self.model_type} checkpoint?"
-                )
-            tensors = [hf_state[n].detach() for n in hf_names]
-            out[name] = (torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]).to(dtype).contiguous()
+            if _is_stacked(name):
+                if num_layers <= 0:
+                    raise ValueError(f"{name!r} stacks every layer's weight: pass num_layers.")
+                out[name] = torch.stack([self._converted(hf_state, _layer_name(name, i), dtype)
+                                         for i in range(num_layers)])
+            else:
+                out[name] = self._converted(hf_state, name, dtype)
         return out
 
+    def _converted(self, hf_state: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+        template, hf_names = self._sources(name)
+        if hf_names is None:
+            raise KeyError(f"{self.model_type}: no weight mapping for decoder parameter {name!r}.")
+        missing = [n for n in hf_names if n not in hf_state]
+        if missing:
+            raise KeyError(
+                f"{self.model_type}: the checkpoint lacks {missing} (needed for {name!r}); is this really a "
+                f"{self.model_type} checkpoint?"
+            )
+        tensors = [hf_state[n].detach() for n in hf_names]
+        return (torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]).to(dtype).contiguous()
+
+    def _sources(self, name: str) -> tuple[str, list[str] | None]:
+        """(the weight-map key of one layer's or a global decoder parameter, its Transformers names)."""
+        match = _LAYER_INDEX.match(name)
+        template = _LAYER_INDEX.sub("layers.{i}.", name) if match else name
+        sources = self.weight_map.get(template)
+        if sources is None:
+            return template, None
+        return template, [s.format(i=match.group(1)) if match else s for s in sources]
 
     def restore_weights(self, decoder_weights: Mapping[str, torch.Tensor], hf_state: Mapping[str, torch.Tensor]) -> dict:
-        """Inverse of convert_weights: split fused decoder weights back into Transformers' names and shapes."""
-        out = {}
+        """Inverse of convert_weights: split fused (and stacked) decoder weights back into Transformers' names and
+        shapes."""
+        per_layer = {}
         for name, tensor in decoder_weights.items():
-            match = _LAYER_INDEX.match(name)
-            template = _LAYER_INDEX.sub("layers.{i}.", name) if match else name
-            if template not in self.weight_map:
+            if _is_stacked(name):
+                per_layer.update({_layer_name(name, i): layer for i, layer in enumerate(tensor.unbind(0))})
+            else:
+                per_layer[name] = tensor
+        out = {}
+        for name, tensor in per_layer.items():
+            _, hf_names = self._sources(name)
+            if hf_names is None:
                 continue  # derived buffers (RoPE frequencies)
-            hf_names = [s.format(i=match.group(1)) if match else s for s in self.weight_map[template]]
             sizes = [hf_state[n].shape[0] for n in hf_names]
             for hf_name, part in zip(hf_names, torch.split(tensor, sizes, dim=0)):
                 out[hf_name] = part.to(hf_state[hf_name].dtype)
         return out
+
+
+def _is_stacked(name: str) -> bool:
+    return name.startswith("layers.") and not _LAYER_INDEX.match(name)
+
+
+def _layer_name(stacked_name: str, layer: int) -> str:
+    return stacked_name.replace("layers.", f"layers.{layer}.", 1)
 
 
 def _rope_parameters(config) -> tuple[torch.Tensor, float]:

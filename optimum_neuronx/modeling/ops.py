@@ -7,6 +7,8 @@ and what torch.export traces through) and a fake one for shapes. The inductor ba
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,22 @@ def rows_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     each weight row once for all rows of x.
     """
     return F.linear(x, weight)
+
+
+@torch.library.custom_op("optimum_neuronx::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`) on x [R, K] and a plain weight [N, K] -> [R, N].
+
+    Opaque to Inductor, which lowers oneDNN's linear only on a weight that is a graph constant: inside the layer
+    loop a weight is one layer's slice of the stacked weights. AOTInductor calls it through the dispatcher (this
+    module registers it wherever a graph is loaded); at prefill sizes that costs nothing next to the GEMM.
+    """
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @rows_matvec.register_fake

@@ -1,0 +1,100 @@
+"""The static decoder itself, eager and as torch.export traces it (no compilation): the layer loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_COMMON, TINY_CONFIGS
+from optimum_neuronx import NeuronConfig
+from optimum_neuronx.exporters import get_export_config
+from optimum_neuronx.modeling.decoder import Lowering, StaticDecoder
+
+SEQUENCE = 16
+
+
+def _decoder(lowering: Lowering = Lowering(), **overrides) -> StaticDecoder:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("llama", **{**TINY_COMMON, **TINY_CONFIGS["llama"], **overrides})
+    spec = get_export_config("llama").decoder_spec(config, NeuronConfig(
+        sequence_length=SEQUENCE, context_buckets=[8], token_buckets=[SEQUENCE]))
+    torch.manual_seed(0)
+    decoder = StaticDecoder(spec, lowering).eval()
+    for name, parameter in decoder.named_parameters():
+        parameter.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    return decoder
+
+
+def _inputs(decoder: StaticDecoder, tokens: int, window: int, start: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, decoder.spec.vocab_size, (2, tokens), generator=generator)
+    positions = torch.arange(start, start + tokens).expand(2, tokens)
+    key_valid = torch.ones(2, window, dtype=torch.bool)
+    return ids, positions, torch.tensor([start]), key_valid, torch.full((2,), tokens - 1)
+
+
+def _cache(decoder: StaticDecoder) -> torch.Tensor:
+    return torch.zeros(decoder.spec.kv_cache_shape(2, SEQUENCE))
+
+
+def test_several_tokens_into_a_window_match_one_at_a_time():
+    # A graph of T tokens at cache_start inside a wider window attends to the cache with its new tokens in their
+    # slots (the token graphs: T = 1); the cache holds the same K and V as after T single steps.
+    decoder = _decoder()
+    prompt = _inputs(decoder, 8, 8, 0)
+    together, alone = _cache(decoder), _cache(decoder)
+    with torch.no_grad():
+        decoder(*prompt, together)
+        decoder(*prompt, alone)
+        ids, positions, *_ = _inputs(decoder, 3, SEQUENCE, 8, seed=1)
+        logits = decoder(ids, positions, torch.tensor([8]), torch.ones(2, SEQUENCE, dtype=torch.bool),
+                         torch.full((2,), 2), together)
+        for t in range(3):
+            last = decoder(ids[:, t:t + 1], positions[:, t:t + 1], torch.tensor([8 + t]),
+                           torch.ones(2, SEQUENCE, dtype=torch.bool), torch.zeros(2, dtype=torch.long), alone)
+    torch.testing.assert_close(logits, last, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    assert together[:, :, :, :, 8:11].abs().amin(dim=-1).sum() > 0 and not together[:, :, :, :, 11:].any()
+
+
+def test_stacked_layers_compute_what_unrolled_layers_do():
+    # Per-layer weights (unrolled, where oneDNN packs them) and stacked weights (one loop) hold the same numbers
+    # under different names; both layouts give the same logits and the same cache.
+    stacked = _decoder()
+    unrolled = _decoder(Lowering(packed_rows=8))
+    assert isinstance(unrolled.layers, torch.nn.ModuleList) and not isinstance(stacked.layers, torch.nn.ModuleList)
+    with torch.no_grad():
+        for name, weight in stacked.named_parameters():
+            if name.startswith("layers."):
+                for i, layer in enumerate(unrolled.layers):
+                    layer.get_parameter(name.removeprefix("layers.")).copy_(weight[i])
+            else:
+                unrolled.get_parameter(name).copy_(weight)
+        caches = _cache(stacked), _cache(unrolled)
+        for tokens, window, start in ((8, 8, 0), (1, SEQUENCE, 8)):
+            args = _inputs(stacked, tokens, window, start)
+            torch.testing.assert_close(stacked(*args, caches[0]), unrolled(*args, caches[1]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(*caches, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, window, start", [(8, 8, 0), (1, SEQUENCE, 8)], ids=["context", "token"])
+def test_exported_graph_holds_one_layer_whatever_the_layer_count(tokens, window, start):
+    # The layers run as one loop: torch.export traces one layer, whatever num_hidden_layers is, so what Inductor
+    # lowers and g++ compiles does not grow with the model's depth.
+    def exported_ops(layers: int) -> tuple[list[str], int]:
+        decoder = _decoder(num_hidden_layers=layers)
+        program = torch.export.export(decoder, (*_inputs(decoder, tokens, window, start), _cache(decoder)),
+                                      strict=False)
+        loops = [node for node in program.graph.nodes if node.target is torch.ops.higher_order.scan]
+        modules = [program.graph_module, *(getattr(program.graph_module, node.args[0].target) for node in loops)]
+        nodes = [node for module in modules for node in module.graph.nodes]
+        # Static shapes throughout, the loop's body included (Dynamo's first look at the body may be symbolic).
+        values = [value for node in nodes for value in torch.utils._pytree.tree_leaves(node.meta.get("val"))]
+        assert not any(isinstance(size, torch.SymInt) for value in values if isinstance(value, torch.Tensor)
+                       for size in value.shape)
+        return sorted(str(node.target) for node in nodes if node.op == "call_function"), len(loops)
+
+    one, loops = exported_ops(1)
+    assert loops == 1
+    assert exported_ops(4) == (one, 1)
