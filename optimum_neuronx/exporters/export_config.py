@@ -132,7 +132,7 @@ class ExportConfig:
         return out
 
     def _converted(self, hf_state: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-        template, hf_names = self._sources(name)
+        hf_names = self._sources(name)
         if hf_names is None:
             raise KeyError(f"{self.model_type}: no weight mapping for decoder parameter {name!r}.")
         missing = [n for n in hf_names if n not in hf_state]
@@ -144,14 +144,14 @@ class ExportConfig:
         tensors = [hf_state[n].detach() for n in hf_names]
         return (torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]).to(dtype).contiguous()
 
-    def _sources(self, name: str) -> tuple[str, list[str] | None]:
-        """(the weight-map key of one layer's or a global decoder parameter, its Transformers names)."""
+    def _sources(self, name: str) -> list[str] | None:
+        """The Transformers names one layer's or a global decoder parameter is made of (None: not mapped)."""
         match = _LAYER_INDEX.match(name)
         template = _LAYER_INDEX.sub("layers.{i}.", name) if match else name
         sources = self.weight_map.get(template)
         if sources is None:
-            return template, None
-        return template, [s.format(i=match.group(1)) if match else s for s in sources]
+            return None
+        return [s.format(i=match.group(1)) if match else s for s in sources]
 
     def restore_weights(self, decoder_weights: Mapping[str, torch.Tensor], hf_state: Mapping[str, torch.Tensor]) -> dict:
         """Inverse of convert_weights: split fused (and stacked) decoder weights back into Transformers' names and
@@ -164,7 +164,7 @@ class ExportConfig:
                 per_layer[name] = tensor
         out = {}
         for name, tensor in per_layer.items():
-            _, hf_names = self._sources(name)
+            hf_names = self._sources(name)
             if hf_names is None:
                 continue  # derived buffers (RoPE frequencies)
             sizes = [hf_state[n].shape[0] for n in hf_names]
