@@ -376,9 +376,9 @@ class StaticDecoder(nn.Module):
         None when the dot kernel runs the token graphs' rows (`packed_rows`, the batch): it reads them plain.
         """
         rows, dtype = self.lowering.packed_rows, self.embed_tokens.weight.dtype
-        if not rows or self.lowering.uses_dot_kernel(rows, dtype) or isinstance(self.layers, DecoderLayer):
-            return []  # (stacked layers are never packed; Lowering.stacked_layers)
-        names = [f"layers.{i}.{name}.weight" for i, layer in enumerate(self.layers)
+        if not rows or self.lowering.uses_dot_kernel(rows, dtype) or self.lowering.stacked_layers:
+            return []  # (stacked layers are never packed)
+        names = [f"layers.{i}.{name}.weight" for i in range(self.spec.num_layers)
                  for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
         return names if self.spec.tie_word_embeddings else [*names, "lm_head.weight"]
 
