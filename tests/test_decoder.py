@@ -38,24 +38,34 @@ def _cache(decoder: StaticDecoder) -> torch.Tensor:
     return torch.zeros(decoder.spec.kv_cache_shape(2, SEQUENCE))
 
 
-def test_several_tokens_into_a_window_match_one_at_a_time():
-    # A graph of T tokens at cache_start inside a wider window attends to the cache with its new tokens in their
-    # slots (the token graphs: T = 1); the cache holds the same K and V as after T single steps.
-    decoder = _decoder()
+@pytest.mark.parametrize("lowering", [Lowering(), Lowering(attention_tokens=SEQUENCE)], ids=["sdpa", "reduced"])
+def test_several_tokens_into_a_window_match_one_at_a_time(lowering):
+    # A graph of T tokens at cache_start inside a wider window attends to the cache and to its new tokens beside it
+    # (the token graphs: T = 1); the cache holds the same K and V as after T single steps. Row 1 is left-padded:
+    # its first two slots are never attended to.
+    decoder = _decoder(lowering)
     prompt = _inputs(decoder, 8, 8, 0)
+    key_valid = torch.ones(2, SEQUENCE, dtype=torch.bool)
+    key_valid[1, :2] = False
+    prompt = (*prompt[:3], key_valid[:, :8], prompt[4])
     together, alone = _cache(decoder), _cache(decoder)
     with torch.no_grad():
         decoder(*prompt, together)
         decoder(*prompt, alone)
         ids, positions, *_ = _inputs(decoder, 3, SEQUENCE, 8, seed=1)
-        logits = decoder(ids, positions, torch.tensor([8]), torch.ones(2, SEQUENCE, dtype=torch.bool),
-                         torch.full((2,), 2), together)
+        logits = decoder(ids, positions, torch.tensor([8]), key_valid, torch.full((2,), 2), together)
         for t in range(3):
-            last = decoder(ids[:, t:t + 1], positions[:, t:t + 1], torch.tensor([8 + t]),
-                           torch.ones(2, SEQUENCE, dtype=torch.bool), torch.zeros(2, dtype=torch.long), alone)
+            last = decoder(ids[:, t:t + 1], positions[:, t:t + 1], torch.tensor([8 + t]), key_valid,
+                           torch.zeros(2, dtype=torch.long), alone)
+        padded = key_valid.clone()
+        padded[1, :2] = True  # the padding's slots hold K/V (of pad tokens); attending to them changes row 1 only
+        unmasked = decoder(ids[:, 2:], positions[:, 2:], torch.tensor([10]), padded, torch.zeros(2, dtype=torch.long),
+                           _cache(decoder).copy_(alone))
     torch.testing.assert_close(logits, last, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
     assert together[:, :, :, :, 8:11].abs().amin(dim=-1).sum() > 0 and not together[:, :, :, :, 11:].any()
+    torch.testing.assert_close(unmasked[0], last[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unmasked[1], last[1], rtol=1e-3, atol=1e-3)
 
 
 def test_stacked_layers_compute_what_unrolled_layers_do():

@@ -268,7 +268,8 @@ def test_packing_reads_the_weights_file_ahead_front_to_back(tmp_path, monkeypatc
 def test_reduced_attention_matches_sdpa(dtype):
     # Token-generation graphs compute attention as multiply + sum reductions (Lowering.attention_tokens): it
     # must equal SDPA over the same cache and mask, with padding, GQA row folding and a row that sees nothing
-    # (a padding row: finite minimum mask, no NaN), eager and compiled.
+    # (a padding row: finite minimum mask, no NaN), eager and compiled; over the keys in one part, and split in
+    # two (decode: the cache window and the new tokens beside it) under one softmax.
     from optimum_neuronx.backends import get_backend
     from optimum_neuronx.modeling.decoder import reduced_attention
 
@@ -286,8 +287,11 @@ def test_reduced_attention_matches_sdpa(dtype):
                                                                 attn_mask=mask.float(), scale=0.25)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     with torch.no_grad():
-        outputs = (reduced_attention(q, keys, values, mask, 0.25),
-                   torch.compile(reduced_attention, fullgraph=True)(q, keys, values, mask, 0.25))
+        whole = [(keys, values, mask)]
+        split = [(keys[:, :, :18], values[:, :, :18], mask[..., :18]), (keys[:, :, 18:], values[:, :, 18:],
+                                                                        mask[..., 18:])]
+        compiled = torch.compile(reduced_attention, fullgraph=True)
+        outputs = [attend(q, parts, 0.25) for attend in (reduced_attention, compiled) for parts in (whole, split)]
     for out in outputs:
         assert out.dtype == dtype and not out.isnan().any()
         torch.testing.assert_close(out.float(), expected, **tolerance)

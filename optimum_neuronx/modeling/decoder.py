@@ -10,8 +10,9 @@ A single forward serves both graphs:
 
 The T new tokens are written at cache slots cache_start .. cache_start + T - 1 of the preallocated cache
 `kv_cache[layers, 2 (k/v), B, kv_heads, S, head_dim]`, all layers with one in-place write after the last layer;
-each layer's attention reads slots 0 .. W - 1 of its cache with its new tokens in place. Query t may see slot k
-when `key_valid[b, k]` and `k <= cache_start + t` (causal). The layers' weights are stacked along a leading
+each layer's attention reads slots 0 .. W - 1 of its cache as they were before the step, and its new tokens'
+K and V beside them (`window_attention`). Query t may see slot k when `key_valid[b, k]` and
+`k <= cache_start + t` (causal). The layers' weights are stacked along a leading
 layer axis and run as one loop (`torch._higher_order_ops.scan`), so the compiler sees one layer: compile time
 and code size do not grow with the layer count. Only the hidden state at `last_index` goes through the final
 norm and the LM head.
@@ -27,6 +28,7 @@ an export that packs keeps one `DecoderLayer` per layer and unrolls them (`Lower
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -164,18 +166,28 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def reduced_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def reduced_attention(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                       scale: float) -> torch.Tensor:
-    """`F.scaled_dot_product_attention` for a few query rows (q [B, H, R, D]), as float32 multiply + sum.
+    """`F.scaled_dot_product_attention` for a few query rows (q [B, H, R, D]), as float32 multiply + sum, over
+    the keys of every (keys, values, mask) in `parts` together (one softmax).
 
     Inductor fuses each product with its reduction and the softmax into a few loops over the cache; the CPU
     flash-attention kernel, tiled for long queries, costs up to 2x more at decode (docs/performance.md). The
-    query (after RoPE) and the mask are stored first, or Inductor recomputes them inside those loops.
+    query (after RoPE) and the masks are stored first, or Inductor recomputes them inside those loops. Several
+    parts (decode: the cache window and the new tokens) meet only in the softmax over their scores, so each
+    product reads its keys and values as they lie.
     """
-    query, mask = _materialized(q.float()), _materialized(mask.float())
-    scores = (query[:, :, :, None, :] * keys.float()[:, :, None, :, :]).sum(-1) * scale + mask
-    probs = scores.softmax(-1)
-    return (probs[..., None] * values.float()[:, :, None, :, :]).sum(-2).to(q.dtype)
+    query = _materialized(q.float())
+    scores = [(query[:, :, :, None, :] * keys.float()[:, :, None, :, :]).sum(-1) * scale + _materialized(mask.float())
+              for keys, _, mask in parts]
+    # One softmax over all parts' keys, never concatenated: a shared maximum, and the weighted sums of the values
+    # divided by the sum of the weights at the end.
+    peak = functools.reduce(torch.maximum, [part.amax(-1, keepdim=True) for part in scores])
+    weights = [(part - peak).exp() for part in scores]
+    total = functools.reduce(torch.add, [weight.sum(-1, keepdim=True) for weight in weights])
+    out = functools.reduce(torch.add, [(weight[..., None] * values.float()[:, :, None, :, :]).sum(-2)
+                                       for weight, (_, values, _) in zip(weights, parts)])
+    return (out / total).to(q.dtype)
 
 
 def attention_masks(mask: torch.Tensor, n_rep: int, causal_block: int = 0) -> list[torch.Tensor]:
@@ -210,11 +222,28 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, masks: 
         rows, width = mask.shape[-2:]
         args = (q[:, :, start:start + rows], keys[:, :, :width], values[:, :, :width])
         if reduced:
-            out.append(reduced_attention(*args, mask, scale))
+            out.append(reduced_attention(args[0], [(*args[1:], mask)], scale))
         else:
             out.append(F.scaled_dot_product_attention(*args, attn_mask=mask, scale=scale))
         start += rows
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+def window_attention(q: torch.Tensor, cache_kv: torch.Tensor, new_kv: torch.Tensor, cache_mask: torch.Tensor,
+                     new_mask: torch.Tensor, scale: float, reduced: bool) -> torch.Tensor:
+    """Attention of folded queries q [B, kv_heads, T * n_rep, D] over a cache window and the T new tokens.
+
+    cache_kv [2, B, kv_heads, W, D]: the window as the cache holds it, before this step's write; `cache_mask`
+    [B, 1, T * n_rep, W] hides the slots the new tokens are about to fill. new_kv [2, B, kv_heads, T, D], under
+    `new_mask` [B, 1, T * n_rep, T]. The two meet only in the softmax: the new K and V are never selected into a
+    copy of the window, which Inductor did element by element inside the attention's loops (bf16 batch 4: the
+    layer loop's decode step 6-8% slower than unrolled layers writing the cache first; now on par).
+    """
+    if reduced:
+        return reduced_attention(q, [(cache_kv[0], cache_kv[1], cache_mask), (new_kv[0], new_kv[1], new_mask)], scale)
+    keys, values = (torch.cat((cached, new), dim=2) for cached, new in zip(cache_kv, new_kv))
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=torch.cat((cache_mask, new_mask), dim=-1),
+                                          scale=scale)
 
 
 def _materialized(x: torch.Tensor) -> torch.Tensor:
@@ -238,6 +267,11 @@ def _materialized(x: torch.Tensor) -> torch.Tensor:
         strides.insert(0, step)
         step *= int(size)
     return force(x.contiguous(), strides)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A finite minimum, not -inf: rows with nothing to attend to (padding) must not produce NaN.
+    return torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -296,13 +330,15 @@ class DecoderLayer(nn.Module):
     def weights(self) -> dict[str, torch.Tensor]:
         return dict(self.named_parameters())
 
-    def step(self, w: dict[str, torch.Tensor], h, cos, sin, masks, cache_start, kv_cache):
+    def step(self, w: dict[str, torch.Tensor], h, cos, sin, masks, new_mask, kv_cache):
         """One layer over hidden states h [B, T, hidden] with weights `w` (names as `weights()`, one layer's):
         (h after the layer, the T new tokens' K and V [2, B, kv_heads, T, D]).
 
-        `kv_cache` [2, B, kv_heads, S, D] is the layer's cache before this step; attention reads its slots
-        0 .. W - 1 with the new tokens in slots cache_start .. cache_start + T - 1. The caller writes the new K
-        and V, for every layer at once: the layers only read the cache, which lets them run as one loop.
+        `new_mask` None (a context graph): the T new tokens are the whole window, under `masks`. Otherwise
+        attention reads slots 0 .. W - 1 of `kv_cache` [2, B, kv_heads, S, D], the layer's cache before this step,
+        under `masks` ([one piece], which hides the slots the new tokens go to), and the new tokens under
+        `new_mask` (`window_attention`). The caller writes the new K and V, for every layer at once: the layers
+        only read the cache, which lets them run as one loop.
         """
         s, lowering = self.spec, self.lowering
         B, T, _ = h.shape
@@ -321,29 +357,21 @@ class DecoderLayer(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         new_kv = torch.stack((k, v)).permute(0, 1, 3, 2, 4).to(kv_cache.dtype)  # [2, B, kv_heads, T, D]
-        window = _attended_window(kv_cache, new_kv, cache_start, masks[-1].shape[-1])
 
         # GQA without repeating K/V: fold the query heads of one KV group into the query axis, token-major.
         q = q.view(B, T, s.num_kv_heads, n_rep, s.head_dim).transpose(1, 2).reshape(B, s.num_kv_heads, T * n_rep,
                                                                                      s.head_dim)
-        attn = attention(q, window[0], window[1], masks, s.head_dim**-0.5, reduced=T <= lowering.attention_tokens)
+        scale, reduced = s.head_dim**-0.5, T <= lowering.attention_tokens
+        if new_mask is None:
+            attn = attention(q, new_kv[0], new_kv[1], masks, scale, reduced)
+        else:
+            window = kv_cache[:, :, :, :masks[0].shape[-1]]
+            attn = window_attention(q, window, new_kv, masks[0], new_mask, scale, reduced)
         attn = attn.view(B, s.num_kv_heads, T, n_rep, s.head_dim).transpose(1, 2)
         h = h + proj(attn.reshape(B, T, s.num_heads * s.head_dim), "o_proj")
 
         gate, up = proj(rms_norm(h, w["post_attention_norm.weight"], s.rms_norm_eps), "gate_up_proj").chunk(2, dim=-1)
         return h + proj(_ACTIVATIONS[s.hidden_act](gate) * up, "down_proj"), new_kv
-
-
-def _attended_window(kv_cache: torch.Tensor, new_kv: torch.Tensor, cache_start: torch.Tensor, width: int):
-    """K and V of cache slots 0 .. width - 1 [2, B, kv_heads, width, D] as they are once the T new tokens
-    (`new_kv`) sit in slots cache_start .. cache_start + T - 1."""
-    tokens = new_kv.shape[3]
-    if tokens == width:  # a context graph: its window is its tokens, from slot 0
-        return new_kv
-    offset = torch.arange(width, device=new_kv.device) - cache_start  # new token at each slot, where one is
-    fresh = new_kv.index_select(3, offset.clamp(0, tokens - 1))
-    is_new = ((offset >= 0) & (offset < tokens)).view(1, 1, 1, width, 1)
-    return torch.where(is_new, fresh, kv_cache[:, :, :, :width])
 
 
 class StaticDecoder(nn.Module):
@@ -394,11 +422,19 @@ class StaticDecoder(nn.Module):
         sin = (emb.sin() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
 
         slots = cache_start + torch.arange(T, device=input_ids.device)  # [T]
-        key_slots = torch.arange(W, device=input_ids.device)
-        allowed = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[None, None, :, None])
-        # A finite minimum, not -inf: rows with nothing to attend to (padding) must not produce NaN.
-        mask = torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)  # [B, 1, T, W]
-        masks = attention_masks(mask, self.spec.num_heads // self.spec.num_kv_heads, self.lowering.causal_block)
+        n_rep = self.spec.num_heads // self.spec.num_kv_heads
+        if T == W:  # a context graph: the window is its tokens, from slot 0
+            key_slots = torch.arange(W, device=input_ids.device)
+            allowed = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[None, None, :, None])
+            masks, new_mask = attention_masks(_additive(allowed, dtype), n_rep, self.lowering.causal_block), None
+        else:
+            # The cache's slots from cache_start on hold stale K/V until the write after the layers: the new tokens
+            # are attended to from new_kv instead, causally among themselves.
+            cached = key_valid & (torch.arange(W, device=input_ids.device) < cache_start)  # [B, W]
+            masks = attention_masks(_additive(cached[:, None, None, :].expand(B, 1, T, W), dtype), n_rep)
+            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+            fresh = key_valid.index_select(1, slots)[:, None, None, :] & causal  # [B, 1, T, T]
+            new_mask = attention_masks(_additive(fresh, dtype), n_rep)[0]
 
         if isinstance(self.layers, DecoderLayer):
             # One loop over the stacked layers: the compiler traces, lowers and compiles one layer, not
@@ -407,13 +443,13 @@ class StaticDecoder(nn.Module):
 
             def body(h, xs):
                 weights, layer_cache = xs
-                return layer.step(weights, h, cos, sin, masks, cache_start, layer_cache)
+                return layer.step(weights, h, cos, sin, masks, new_mask, layer_cache)
 
             h, new_kv = scan(body, h, (layer.weights(), kv_cache))
         else:  # weights packed per layer (oneDNN's blocked layout) cannot be stacked: the layers unrolled
             new_kv = []
             for i, layer in enumerate(self.layers):
-                h, layer_kv = layer.step(layer.weights(), h, cos, sin, masks, cache_start, kv_cache[i])
+                h, layer_kv = layer.step(layer.weights(), h, cos, sin, masks, new_mask, kv_cache[i])
                 new_kv.append(layer_kv)
             new_kv = torch.stack(new_kv)
 
