@@ -51,6 +51,28 @@ def test_time_to_first_token_is_timed_at_the_smallest_batch_on_every_prompt(benc
     assert bench.timed_prompts([512, 128], 4, [4, 1]) == [128]
 
 
+def test_static_cache_baseline_is_generate_compiling_its_decode_step_on_cpu(bench, reference_model):
+    """The baseline is Transformers' own recipe: generate() compiles the decode step, here on a CPU too. Dynamo's
+    eager backend stands in for Inductor (the plumbing is under test, not the compiler)."""
+    model = reference_model("llama")
+    config = bench.static_cache_compile_config()
+    config.backend = "eager"
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        prompt = torch.tensor([[1, 5, 9, 4]])
+        output = model.generate(prompt, max_new_tokens=4, do_sample=False, eos_token_id=None,
+                                cache_implementation="static", compile_config=config)
+        assert hasattr(model, "_compiled_call")
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before
+        eager = model.generate(prompt, max_new_tokens=4, do_sample=False, eos_token_id=None)
+        assert torch.equal(output, eager)
+    finally:
+        model.__dict__.pop("_compiled_call", None)
+        model.__dict__.pop("_last_compile_config", None)
+        torch._dynamo.reset()
+
+
 def test_a_failing_or_hung_job_is_recorded_not_raised(bench, tmp_path):
     failed = bench.run_batches(eager_job(tmp_path / "missing", tmp_path), timeout=600, probe=lambda: {})
     assert set(failed) == {1, 2}
