@@ -1,5 +1,6 @@
-"""Generation benchmark: Transformers eager, Transformers static cache + torch.compile, and optimum-neuronx
-compiled graphs, side by side in one run on the same prompts, with the machine's memory-bandwidth bound.
+"""Generation benchmark: Transformers eager, Transformers static cache + torch.compile (its `generate` compiling
+the decode step), and optimum-neuronx compiled graphs, side by side in one run on the same prompts, with the
+machine's memory-bandwidth bound.
 
     python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt (2 cores: 3-6 min)
     python benchmarks/bench_generate.py             # + bf16, batch 4, 512-token prompts, TinyLlama-1.1B shape
@@ -125,17 +126,21 @@ def request_turn() -> None:
 def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: None, turn=lambda: None,
             **extra) -> dict:
     """`inputs`: prompt length -> inputs; decode is timed on the shortest prompt, TTFT on each. `probe()` runs
-    before and after every timed decode repeat; `turn()` before each repeat."""
-    shortest = inputs[min(inputs)]
+    before and after every timed decode repeat; `turn()` before each repeat. Longer prompts' TTFT comes last:
+    Transformers keeps a static cache for the next generation that fits in it, so a 512-token prompt's cache
+    would carry into the decode runs (a graph of another size for torch.compile, attention over more slots)."""
+    lengths = sorted(inputs)
+    shortest = inputs[lengths[0]]
     # Warm-up (and, for torch.compile, compilation) as long as the timed runs: Transformers sizes a static cache
-    # to the generation, so a shorter one compiled a graph that the timed runs could not use (and they compiled
-    # their own: caught below).
+    # to the generation, so a shorter one compiled a graph that the timed runs could not use.
     _timed(model, shortest, new_tokens, **extra)
     compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    ttft = {}
-    for length, prompt in inputs.items():
+
+    def time_to_first_token(prompt: dict) -> float:
         _timed(model, prompt, 1, **extra)
-        ttft[length] = statistics.median(_timed(model, prompt, 1, **extra) for _ in range(repeats))
+        return statistics.median(_timed(model, prompt, 1, **extra) for _ in range(repeats))
+
+    ttft = {lengths[0]: time_to_first_token(shortest)}
     totals = []
     for repeat in range(repeats):
         turn()
@@ -143,10 +148,13 @@ def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: No
             probe()
         totals.append(_timed(model, shortest, new_tokens, **extra))
         probe()
+    for length in lengths[1:]:
+        ttft[length] = time_to_first_token(inputs[length])
     if torch._dynamo.utils.counters["stats"]["unique_graphs"] != compiled_graphs:
-        raise RuntimeError("torch.compile compiled a graph during the timed runs: the warm-up did not compile what they run")
+        raise RuntimeError("torch.compile compiled a graph during the timed runs: the warm-up did not compile what "
+                           "they run")
     rows = shortest["input_ids"].shape[0]
-    return {"ttft_s": ttft, "decode_tok_s": rows * (new_tokens - 1) / (statistics.median(totals) - ttft[min(inputs)])}
+    return {"ttft_s": ttft, "decode_tok_s": rows * (new_tokens - 1) / (statistics.median(totals) - ttft[lengths[0]])}
 
 
 def export_for_batch(job: dict, batch_size: int, prompts: list[int]) -> Path:
@@ -193,7 +201,9 @@ def run_system(job: dict) -> dict:
     from optimum_neuronx import NeuronModelForCausalLM
 
     torch.set_num_threads(job["threads"])
-    request_turn()  # loading, warm-up and time to first token run in this job's first turn
+    # loading, warm-up and the shortest prompt's time to first token run in this job's first turn (longer
+    # prompts' in its last, after the decode repeats)
+    request_turn()
     checkpoint, dtype, system = Path(job["checkpoint"]), job["dtype"], job["system"]
     if job.get("export_only"):  # compile in a process of its own, so peak RSS below is the serving process's
         for batch_size in job["batch_sizes"]:

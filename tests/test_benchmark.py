@@ -2,6 +2,7 @@
 
 import importlib.util
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,25 @@ def test_batch_sizes_take_turns_and_bandwidth_is_sampled_around_every_timed_deco
 def test_time_to_first_token_is_timed_at_the_smallest_batch_on_every_prompt(bench):
     assert bench.timed_prompts([512, 128], 1, [4, 1]) == [128, 512]
     assert bench.timed_prompts([512, 128], 4, [4, 1]) == [128]
+
+
+def test_longer_prompts_time_to_first_token_comes_after_the_decode_repeats(bench):
+    """Transformers reuses a static cache that fits the next generation: a long prompt timed before the decode
+    repeats would change the cache (and the compiled graph) they run with."""
+    calls = []
+
+    class Recorder:
+        def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
+            calls.append((input_ids.shape[1], max_new_tokens))
+            time.sleep(0.002 * max_new_tokens)
+            return torch.zeros(input_ids.shape[0], input_ids.shape[1] + max_new_tokens, dtype=torch.long)
+
+    inputs = {n: {"input_ids": torch.ones(1, n, dtype=torch.long), "attention_mask": torch.ones(1, n)}
+              for n in (16, 8)}
+    result = bench.measure(Recorder(), inputs, new_tokens=4, repeats=2)
+    warm_up, short_ttft, decode, long_ttft = [(8, 4)], [(8, 1)] * 3, [(8, 4)] * 2, [(16, 1)] * 3
+    assert calls == warm_up + short_ttft + decode + long_ttft
+    assert set(result["ttft_s"]) == {8, 16} and result["decode_tok_s"] > 0
 
 
 def test_static_cache_baseline_is_generate_compiling_its_decode_step_on_cpu(bench, reference_model):
