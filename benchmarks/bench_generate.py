@@ -2,7 +2,7 @@
 the decode step), and optimum-neuronx compiled graphs, side by side in one run on the same prompts, with the
 machine's memory-bandwidth bound.
 
-    python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt (2 cores: 3-6 min)
+    python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt (2 cores: 3-5 min)
     python benchmarks/bench_generate.py             # + bf16, batch 4, 512-token prompts, TinyLlama-1.1B shape
 
 Each (model, dtype, system, batch size) runs in its own subprocess, so peak RSS is per system and batch size;
