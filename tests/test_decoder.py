@@ -38,7 +38,9 @@ def _cache(decoder: StaticDecoder) -> torch.Tensor:
     return torch.zeros(decoder.spec.kv_cache_shape(2, SEQUENCE))
 
 
-@pytest.mark.parametrize("lowering", [Lowering(), Lowering(attention_tokens=SEQUENCE)], ids=["sdpa", "reduced"])
+@pytest.mark.parametrize("lowering", [Lowering(), Lowering(attention_tokens=SEQUENCE),
+                                      Lowering(attention_tokens=1, attention_kernel=True)],
+                         ids=["sdpa", "reduced", "decode_attention"])
 def test_several_tokens_into_a_window_match_one_at_a_time(lowering):
     # A graph of T tokens at cache_start inside a wider window attends to the cache and to its new tokens beside it
     # (the token graphs: T = 1); the cache holds the same K and V as after T single steps. Row 1 is left-padded:

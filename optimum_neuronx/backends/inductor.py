@@ -45,6 +45,7 @@ DOT_KERNEL_ROWS = 4
 # faster than Inductor's multiply + sum (Zen 3: SmolLM2 fp32 batch 1 token steps 0.93x, 8 of 8 rounds; 1 GiB probe
 # 0.92-1.04x), so batch 1 keeps the multiply + sum there (docs/performance.md).
 DOT_KERNEL_MIN_BATCH = {"avx512": 1, "avx2": 2}
+ATTENTION_KERNEL_MIN_BATCH = 1
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
 
@@ -101,14 +102,13 @@ class InductorBackend(Backend):
             return Lowering(gemm_dtype=self.gemm_dtype(dtype))
         gemm_dtype = self.gemm_dtype(dtype)
         onednn = gemm_dtype == dtype and torch.backends.mkldnn.is_available()
-        dot_isa = self.dot_kernel_isa(dtype)
-        if dot_isa and batch_size < DOT_KERNEL_MIN_BATCH[dot_isa]:
-            dot_isa = ""
-        dot_rows = DOT_KERNEL_ROWS if dot_isa else 0
+        isa = self.dot_kernel_isa(dtype)
+        dot_rows = DOT_KERNEL_ROWS if isa and batch_size >= DOT_KERNEL_MIN_BATCH[isa] else 0
+        attention_kernel = bool(isa) and batch_size >= ATTENTION_KERNEL_MIN_BATCH
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
-        return Lowering(dot_rows=dot_rows, dot_isa=dot_isa, matvec_rows=4,
+        return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "", matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
-                        causal_block=128)
+                        attention_kernel=attention_kernel, causal_block=128)
 
     def dot_kernel_isa(self, dtype: torch.dtype) -> str:
         """The best variant of `rows_matvec`'s kernel this machine can compile and run for `dtype` (AVX-512 with
@@ -153,7 +153,7 @@ class InductorBackend(Backend):
         flags = isa.build_arch_flags().split() if isa else []
         names = [*(str(isa).split() if isa else []),
                  *(name for flag, name in OPTIONAL_ISA_FLAGS.items() if flag in flags)]
-        if lowering is not None and lowering.dot_rows:
+        if lowering is not None and (lowering.dot_rows or lowering.attention_kernel):
             names += [name for name in DOT_KERNEL_ISAS[lowering.dot_isa].get(dtype, ()) if name not in names]
         return " ".join(["cpu", *names])
 
@@ -184,7 +184,8 @@ class InductorBackend(Backend):
     def compile(self, decoder, graphs, example_inputs, out_dir, compiler_args) -> dict[str, float]:
         from torch._inductor.package import package_aoti
 
-        options = {**c_shim_options(decoder.lowering.dot_rows, decoder.lowering.dot_isa),
+        lowering = decoder.lowering
+        options = {**c_shim_options(lowering.dot_rows, lowering.dot_isa, lowering.attention_kernel),
                    **parse_compiler_args(compiler_args)}
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="optimum-neuronx-aoti-") as build_dir:

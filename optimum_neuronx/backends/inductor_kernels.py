@@ -23,6 +23,11 @@ from .inductor_codegen import ROW_PREFETCH_BYTES
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
 ROWS_MATVEC = "rows_matvec.cpp"
+DECODE_ATTENTION = "decode_attention.cpp"  # spliced after rows_matvec.cpp, whose helpers it uses
+# decode_attention's function is defined in that one source; its own entry only declares it.
+DECODE_ATTENTION_DECLARATION = ('"C" AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle, AtenTensorHandle, '
+                                "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, "
+                                "AtenTensorHandle, AtenTensorHandle*)")
 
 
 def kernel_source(name: str) -> str:
@@ -30,7 +35,8 @@ def kernel_source(name: str) -> str:
 
 
 def kernel_digests() -> dict:
-    return {name: hashlib.sha256(kernel_source(name).encode()).hexdigest()[:16] for name in (ROWS_MATVEC,)}
+    return {name: hashlib.sha256(kernel_source(name).encode()).hexdigest()[:16]
+            for name in (ROWS_MATVEC, DECODE_ATTENTION)}
 
 
 # The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86
@@ -41,16 +47,21 @@ DOT_KERNEL_ISAS = {
 }
 
 
-def c_shim_options(dot_rows: int, isa: str) -> dict:
-    """Inductor options that compile `rows_matvec`'s variant for `isa` (a DOT_KERNEL_ISAS key) into the graph (when
-    the lowering uses it)."""
-    if not dot_rows:
+def c_shim_options(dot_rows: int, isa: str, attention: bool = False) -> dict:
+    """Inductor options that compile our kernels' variant for `isa` (a DOT_KERNEL_ISAS key) into the graph:
+    `rows_matvec` (when the lowering uses it, dot_rows > 0) and, with `attention`, `decode_attention`."""
+    if not dot_rows and not attention:
         return {}
     if isa not in DOT_KERNEL_ISAS:
-        raise ValueError(f"rows_matvec has no {isa!r} variant; it has {sorted(DOT_KERNEL_ISAS)}.")
+        raise ValueError(f"our kernels have no {isa!r} variant; they have {sorted(DOT_KERNEL_ISAS)}.")
     # Inductor writes each string as `extern <string>;` inside an `extern "C" { ... }` block: `extern "C++" { ... }`
-    # gives the source its own linkage block, in which the shim function declares itself extern "C".
+    # gives the source its own linkage block, in which the shim functions declare themselves extern "C".
     defines = {"OPTIMUM_NEURONX_ROW_PREFETCH_BYTES": ROW_PREFETCH_BYTES, "OPTIMUM_NEURONX_DOT_AVX512": int(isa == "avx512")}
-    source = "".join(f"#define {name} {value}\n" for name, value in defines.items()) + kernel_source(ROWS_MATVEC)
+    names = (ROWS_MATVEC, DECODE_ATTENTION) if attention else (ROWS_MATVEC,)
+    source = "".join(f"#define {name} {value}\n" for name, value in defines.items())
+    source += "".join(kernel_source(name) for name in names)
     source = '"C++" {\n' + source + "".join(f"\n#undef {name}" for name in defines) + "\n}"
-    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.optimum_neuronx.rows_matvec.default: [source]}}
+    shims = {torch.ops.optimum_neuronx.rows_matvec.default: [source]}
+    if attention:
+        shims[torch.ops.optimum_neuronx.decode_attention.default] = [DECODE_ATTENTION_DECLARATION]
+    return {"aot_inductor.custom_ops_to_c_shims": shims}

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._higher_order_ops.scan import scan
 
-from .ops import ROWS_MATVEC_DTYPES, onednn_linear, rows_matvec
+from .ops import ROWS_MATVEC_DTYPES, decode_attention, onednn_linear, rows_matvec
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -86,6 +86,8 @@ class Lowering:
         (`StaticDecoder.packable_weight_names`); the graphs then never read those as plain tensors.
     attention_tokens: attention for at most this many new tokens per sequence (decode) is multiply + sum
         reductions over the cache, which Inductor fuses (`reduced_attention`); longer queries use SDPA.
+    attention_kernel: that decode attention is instead `decode_attention` (ops.py), for which the backend
+        compiles its own kernel (variant `dot_isa`).
     causal_block: when > 0, context attention runs SDPA per block of this many query tokens, each against only
         the keys up to its last token (`attention_masks`): the blocks above the diagonal are never computed.
     """
@@ -97,6 +99,7 @@ class Lowering:
     onednn: bool = False
     packed_rows: int = 0
     attention_tokens: int = 0
+    attention_kernel: bool = False
     causal_block: int = 0
 
     @property
@@ -122,7 +125,7 @@ class Lowering:
         return {"dot_rows": self.dot_rows, "dot_isa": self.dot_isa, "matvec_rows": self.matvec_rows,
                 "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."), "onednn": self.onednn,
                 "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens,
-                "causal_block": self.causal_block}
+                "attention_kernel": self.attention_kernel, "causal_block": self.causal_block}
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lowering: Lowering,
@@ -230,15 +233,21 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, masks: 
 
 
 def window_attention(q: torch.Tensor, cache_kv: torch.Tensor, new_kv: torch.Tensor, cache_mask: torch.Tensor,
-                     new_mask: torch.Tensor, scale: float, reduced: bool) -> torch.Tensor:
+                     new_mask: torch.Tensor, scale: float, reduced: bool, kernel: bool = False) -> torch.Tensor:
     """Attention of folded queries q [B, kv_heads, T * n_rep, D] over a cache window and the T new tokens.
 
     cache_kv [2, B, kv_heads, W, D]: the window as the cache holds it, before this step's write; `cache_mask`
     [B, 1, T * n_rep, W] hides the slots the new tokens are about to fill. new_kv [2, B, kv_heads, T, D], under
     `new_mask` [B, 1, T * n_rep, T]. The two meet only in the softmax: the new K and V are never selected into a
     copy of the window, which Inductor did element by element inside the attention's loops (bf16 batch 4: the
-    layer loop's decode step 6-8% slower than unrolled layers writing the cache first; now on par).
+    layer loop's decode step 6-8% slower than unrolled layers writing the cache first; now on par). `kernel`
+    (with `reduced`): the same attention as the custom op `decode_attention`, which the backend compiles itself.
     """
+    if reduced and kernel:
+        query = _materialized((q.float() * scale).contiguous())
+        dtype = cache_kv.dtype
+        return decode_attention(query, cache_kv[0], cache_kv[1], cache_mask.to(dtype), new_kv[0], new_kv[1],
+                                new_mask.to(dtype))
     if reduced:
         return reduced_attention(q, [(cache_kv[0], cache_kv[1], cache_mask), (new_kv[0], new_kv[1], new_mask)], scale)
     keys, values = (torch.cat((cached, new), dim=2) for cached, new in zip(cache_kv, new_kv))
@@ -366,7 +375,7 @@ class DecoderLayer(nn.Module):
             attn = attention(q, new_kv[0], new_kv[1], masks, scale, reduced)
         else:
             window = kv_cache[:, :, :, :masks[0].shape[-1]]
-            attn = window_attention(q, window, new_kv, masks[0], new_mask, scale, reduced)
+            attn = window_attention(q, window, new_kv, masks[0], new_mask, scale, reduced, lowering.attention_kernel)
         attn = attn.view(B, s.num_kv_heads, T, n_rep, s.head_dim).transpose(1, 2)
         h = h + proj(attn.reshape(B, T, s.num_heads * s.head_dim), "o_proj")
 
