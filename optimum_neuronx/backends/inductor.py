@@ -45,7 +45,6 @@ DOT_KERNEL_ROWS = 4
 # faster than Inductor's multiply + sum (Zen 3: SmolLM2 fp32 batch 1 token steps 0.93x, 8 of 8 rounds; 1 GiB probe
 # 0.92-1.04x), so batch 1 keeps the multiply + sum there (docs/performance.md).
 DOT_KERNEL_MIN_BATCH = {"avx512": 1, "avx2": 2}
-ATTENTION_KERNEL_MIN_BATCH = 1
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
 
@@ -107,7 +106,7 @@ class InductorBackend(Backend):
         onednn = gemm_dtype == dtype and torch.backends.mkldnn.is_available()
         isa = self.dot_kernel_isa(dtype)
         dot_rows = DOT_KERNEL_ROWS if isa and batch_size >= DOT_KERNEL_MIN_BATCH[isa] else 0
-        attention_kernel = bool(isa) and batch_size >= ATTENTION_KERNEL_MIN_BATCH
+        attention_kernel = bool(isa)
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
         return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "", matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
