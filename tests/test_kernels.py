@@ -23,8 +23,9 @@ DOT_ISA = {"avx512": {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: 
 # (K < 32), more rows than the kernel's 4 accumulators (4 + 1), output counts that leave a remainder after the
 # blocks of 4 weight rows in each thread's half, and fewer outputs than one block; inputs that leave whole lines
 # and a tail after the steps of several lines (1 row: 4 lines per step, 4 bfloat16 rows: 2); bfloat16 input rows
-# past the kernel's 24 KiB per piece at 4, 3 and 2 rows (two pieces; the last ends in a tail at 4 rows), and
-# float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB.
+# past the AVX-512 kernel's 24 KiB per piece at 4, 3 and 2 rows (two pieces; the last ends in a tail at 4 rows), and
+# float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB. The AVX2 kernel takes rows whole; compiled with
+# pieces of 4 KiB (PIECES) it runs the pieces' partial sums too (up to 13 pieces).
 SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3), (1, 300, 40),
           (4, 232, 9), (4, 3300, 9), (3, 4200, 7), (2, 6200, 5)]
 
@@ -53,20 +54,25 @@ def _runs_here(isa, dtype):
     return all(cpu_has(feature) for feature in DOT_ISA[isa][dtype]) and BACKEND.has_dot_kernel(dtype)
 
 
-@pytest.fixture(scope="module", params=[(isa, dtype) for isa in DOT_ISA for dtype in DTYPES],
-                ids=[f"{isa}-{name}" for isa in DOT_ISA for name in ("bf16", "fp32")])
+PIECES = 4096
+VARIANTS = [(isa, dtype, -1) for isa in DOT_ISA for dtype in DTYPES] + [("avx2", dtype, PIECES) for dtype in DTYPES]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[
+    f"{isa}-{'bf16' if dtype == torch.bfloat16 else 'fp32'}{'-pieces' if pieces > 0 else ''}"
+    for isa, dtype, pieces in VARIANTS])
 def kernel_package(request, tmp_path_factory):
     from torch._inductor.package import package_aoti
 
     from optimum_neuronx.backends.inductor_kernels import c_shim_options
 
-    isa, dtype = request.param
+    isa, dtype, pieces = request.param
     if not _runs_here(isa, dtype):
         pytest.skip(f"rows_matvec's {isa} {dtype} kernel needs {' and '.join(DOT_ISA[isa][dtype])} and GCC or Clang")
     module, args = _Projections(dtype).eval(), _inputs(dtype)
     program = torch.export.export(module, args, strict=False)
     files = torch._inductor.aot_compile(program.module(), args, options={
-        "aot_inductor.package": True, **c_shim_options(4, isa)})
+        "aot_inductor.package": True, **c_shim_options(4, isa, piece_bytes=pieces)})
     return package_aoti(str(tmp_path_factory.mktemp("kernel") / "kernel.pt2"), files), module, args
 
 
