@@ -38,12 +38,13 @@ X86_FEATURE_PROBES = {
     "amx_tile": "_is_amx_tile_supported",
     "amx_fp16": "_is_amx_fp16_supported",
 }
-# Decode rows up to which projections use our dot-product kernel (it keeps one accumulator per row; wide input
-# rows it cuts into pieces that stay in L1, kernels/rows_matvec.cpp).
+# Decode rows up to which projections use our dot-product kernel (it keeps one accumulator per row; the AVX-512
+# bfloat16 variant cuts wide input rows into pieces that stay in L1, kernels/rows_matvec.cpp).
 DOT_KERNEL_ROWS = 4
 # The smallest batch (decode rows) each variant of the dot kernel takes. At one row the AVX2 variant streamed no
 # faster than Inductor's multiply + sum (Zen 3: SmolLM2 fp32 batch 1 token steps 0.93x, 8 of 8 rounds; 1 GiB probe
-# 0.92-1.04x), so batch 1 keeps the multiply + sum there (docs/performance.md).
+# 0.92-1.04x; with whole input rows, the 1.1B shape's batch 1 steps took 1.04x (fp32) and 1.08x (bf16) the time),
+# so batch 1 keeps the multiply + sum there (docs/performance.md).
 DOT_KERNEL_MIN_BATCH = {"avx512": 1, "avx2": 2}
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
