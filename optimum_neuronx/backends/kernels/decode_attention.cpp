@@ -312,12 +312,17 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
   }
 }
 
-// All (sequence, KV head) units, split between the threads; `out` [B, KV, R, D] contiguous.
+// All (sequence, KV head) units, split between the threads; `out` [B, KV, R, D] contiguous. The keys, values,
+// masks and output are Element data (the shim's untyped pointers).
 template <typename Element>
-bool decode_attention(const float* q, const int64_t* q_strides, const Element* const* kv,
-                      const int64_t* const* kv_strides, const Element* const* masks,
+bool decode_attention(const float* q, const int64_t* q_strides, void* const (&kv_data)[4],
+                      const int64_t* const* kv_strides, void* const (&mask_data)[2],
                       const int64_t* const* mask_strides, int64_t batch, int64_t heads, int64_t rows, int64_t d,
-                      int64_t window, int64_t fresh, Element* out) {
+                      int64_t window, int64_t fresh, void* out_data) {
+  const Element* kv[4];
+  for (int i = 0; i < 4; ++i) kv[i] = static_cast<const Element*>(kv_data[i]);
+  const Element* masks[2] = {static_cast<const Element*>(mask_data[0]), static_cast<const Element*>(mask_data[1])};
+  Element* out = static_cast<Element*>(out_data);
   const int64_t lengths[2] = {window, fresh};
   const int64_t need = 2 * rows * d + rows * (window + fresh) + rows + (1 + kLanes) * d;
   int failed = 0;
@@ -391,21 +396,10 @@ extern "C" AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle q, At
   if (status != AOTI_TORCH_SUCCESS) return status;
   if (batch * heads * rows * d == 0) return AOTI_TORCH_SUCCESS;
   aoti_torch_get_data_ptr(*ret0, &y_data);
-  bool done;
-  if (bf16) {
-    const uint16_t* kv_ptrs[4] = {static_cast<const uint16_t*>(kv_data[0]), static_cast<const uint16_t*>(kv_data[1]),
-                                  static_cast<const uint16_t*>(kv_data[2]), static_cast<const uint16_t*>(kv_data[3])};
-    const uint16_t* mask_ptrs[2] = {static_cast<const uint16_t*>(mask_data[0]), static_cast<const uint16_t*>(mask_data[1])};
-    done = kernels::decode_attention<uint16_t>(static_cast<const float*>(q_data), q_strides, kv_ptrs, kv_strides,
-                                               mask_ptrs, mask_strides, batch, heads, rows, d, window, fresh,
-                                               static_cast<uint16_t*>(y_data));
-  } else {
-    const float* kv_ptrs[4] = {static_cast<const float*>(kv_data[0]), static_cast<const float*>(kv_data[1]),
-                               static_cast<const float*>(kv_data[2]), static_cast<const float*>(kv_data[3])};
-    const float* mask_ptrs[2] = {static_cast<const float*>(mask_data[0]), static_cast<const float*>(mask_data[1])};
-    done = kernels::decode_attention<float>(static_cast<const float*>(q_data), q_strides, kv_ptrs, kv_strides,
-                                            mask_ptrs, mask_strides, batch, heads, rows, d, window, fresh,
-                                            static_cast<float*>(y_data));
-  }
+  const bool done =
+      bf16 ? kernels::decode_attention<uint16_t>(static_cast<const float*>(q_data), q_strides, kv_data, kv_strides,
+                                                 mask_data, mask_strides, batch, heads, rows, d, window, fresh, y_data)
+           : kernels::decode_attention<float>(static_cast<const float*>(q_data), q_strides, kv_data, kv_strides,
+                                              mask_data, mask_strides, batch, heads, rows, d, window, fresh, y_data);
   return done ? AOTI_TORCH_SUCCESS : AOTI_TORCH_FAILURE;
 }
