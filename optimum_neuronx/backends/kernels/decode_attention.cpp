@@ -8,7 +8,7 @@
 // thread, which reads each key and value row once for all R query rows; Inductor's fused reductions read them once
 // per query head and split the work into ~15 loops, each ending in a barrier of all threads. Rows are taken
 // kLanes at a time: a block of keys (bfloat16 widened once) gives each query row one vector of kLanes scores, and
-// a block of values is added into sums held in registers; both are prefetched a block ahead, since a step's
+// a block of values is added into sums held in registers; both are prefetched two blocks ahead, since a step's
 // weights have pushed the cache out of the CPU's caches since the step before. Against one row at a time (each
 // dot product summed across its lanes alone; each value row added into sums in memory): 0.73-0.79x the time,
 // SmolLM2's batch-4 shape, Zen 3.
@@ -35,7 +35,6 @@ constexpr int kLanes = 8;
 typedef float Floats __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 
 OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline Floats splat(float value) {
   return Floats{} + value;
