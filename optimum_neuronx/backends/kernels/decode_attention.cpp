@@ -218,7 +218,7 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void part_values(const float* __restrict weight
                                                   float* __restrict scratch, const float* zeros) {
   constexpr int64_t kMost = 8;  // vectors of sums per pass (8 of AVX2's 16 registers)
   constexpr int64_t kAhead = 2 * kLanes;  // rows (in L2 already: part_scores)
-  const int64_t whole = d / kLanes;
+  const int64_t vectors = d / kLanes;  // whole vectors in a row
   prefetch_rows<3>(values, value_strides, 0, kAhead, length, d);
   for (int64_t j0 = 0; j0 < length; j0 += kLanes) {
     const int64_t count = length - j0 < kLanes ? length - j0 : kLanes;
@@ -229,8 +229,8 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void part_values(const float* __restrict weight
       float* o = out + r * d;
       const float* w = weights + r * stride + j0;
       int64_t v = 0;
-      for (; v + kMost <= whole; v += kMost) add_weighted<kMost>(o, value, w, count, v * kLanes);
-      switch (whole - v) {  // the rest of the whole vectors
+      for (; v + kMost <= vectors; v += kMost) add_weighted<kMost>(o, value, w, count, v * kLanes);
+      switch (vectors - v) {  // the rest of the whole vectors
         case 7: add_weighted<7>(o, value, w, count, v * kLanes); break;
         case 6: add_weighted<6>(o, value, w, count, v * kLanes); break;
         case 5: add_weighted<5>(o, value, w, count, v * kLanes); break;
@@ -240,7 +240,7 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void part_values(const float* __restrict weight
         case 1: add_weighted<1>(o, value, w, count, v * kLanes); break;
         default: break;
       }
-      for (int64_t i = whole * kLanes; i < d; ++i)
+      for (int64_t i = vectors * kLanes; i < d; ++i)
         for (int64_t j = 0; j < count; ++j) o[i] += w[j] * value[j][i];
     }
   }
