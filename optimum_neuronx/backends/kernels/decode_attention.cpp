@@ -146,12 +146,12 @@ OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline Floats ad
          __builtin_shufflevector(a, b, (kLane / kBlock * 2 * kBlock + kLane % kBlock + kBlock)...);
 }
 
-template <int kBlock = kLanes / 2>
-OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline Floats lane_sums(Floats* v, int count = kLanes) {
-  for (int j = 0; j < count / 2; ++j)
+template <int kBlock = kLanes / 2>  // the level: 2 * kBlock vectors in, kBlock out
+OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline Floats lane_sums(Floats* v) {
+  for (int j = 0; j < kBlock; ++j)
     v[j] = add_halves<kBlock>(v[2 * j], v[2 * j + 1], std::make_integer_sequence<int, kLanes>());
   if constexpr (kBlock > 1) {
-    return lane_sums<kBlock / 2>(v, count / 2);
+    return lane_sums<kBlock / 2>(v);
   } else {
     return v[0];
   }
