@@ -292,19 +292,19 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
   for (int64_t r = 0; r < rows; ++r)
     row_to_floats(query + r * d, q + b * q_strides[0] + h * q_strides[1] + r * q_strides[2], d, q_strides[3]);
   __builtin_memset(zeros, 0, d * sizeof(float));
+  const Element* own[4];  // this unit's rows of kv[i]
+  for (int i = 0; i < 4; ++i) own[i] = kv[i] + b * kv_strides[i][0] + h * kv_strides[i][1];
   const int64_t offsets[2] = {0, lengths[0]};  // each part's first column of `scores`
   for (int p = 0; p < 2; ++p) {
-    const int64_t *ks = kv_strides[2 * p], *vs = kv_strides[2 * p + 1], *ms = mask_strides[p];
-    part_scores(query, rows, d, kv[2 * p] + b * ks[0] + h * ks[1], ks, masks[p] + b * ms[0], ms, lengths[p],
-                scores + offsets[p], length, scratch, zeros, kv[2 * p + 1] + b * vs[0] + h * vs[1], vs);
+    const int64_t* ms = mask_strides[p];
+    part_scores(query, rows, d, own[2 * p], kv_strides[2 * p], masks[p] + b * ms[0], ms, lengths[p],
+                scores + offsets[p], length, scratch, zeros, own[2 * p + 1], kv_strides[2 * p + 1]);
   }
   softmax_weights(scores, rows, length, length, totals);
   __builtin_memset(sums, 0, rows * d * sizeof(float));
-  for (int p = 0; p < 2; ++p) {
-    const int64_t* vs = kv_strides[2 * p + 1];
-    part_values(scores + offsets[p], rows, d, kv[2 * p + 1] + b * vs[0] + h * vs[1], vs, lengths[p], length, sums,
+  for (int p = 0; p < 2; ++p)
+    part_values(scores + offsets[p], rows, d, own[2 * p + 1], kv_strides[2 * p + 1], lengths[p], length, sums,
                 scratch, zeros);
-  }
   for (int64_t r = 0; r < rows; ++r) {
     const float inverse = 1.f / totals[r];
     for (int64_t i = 0; i < d; ++i) store_element(y + r * d + i, sums[r * d + i] * inverse);
