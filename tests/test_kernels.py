@@ -198,3 +198,22 @@ def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa
     for feature in target.split()[1:]:
         monkeypatch.setattr(torch.cpu, X86_FEATURE_PROBES[feature], lambda: True)
     assert BACKEND.missing_target_support(target) == ""
+
+
+@pytest.mark.parametrize("cpuinfo, identity, locality", [
+    ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n", ("AuthenticAMD", 26), 0),
+    ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 1),
+    ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 1),  # no x86 fields (e.g. aarch64)
+])
+def test_prefetch_hint_at_several_rows_follows_the_cpu(cpuinfo, identity, locality, tmp_path, monkeypatch):
+    from optimum_neuronx.backends import inductor_kernels
+
+    path = tmp_path / "cpuinfo"
+    path.write_text(cpuinfo)
+    assert inductor_kernels.cpu_identity(str(path)) == identity
+    monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
+    assert inductor_kernels.kernel_tuning() == {"rows_prefetch_locality": locality}
+    # the kernel is compiled with it, and exports (and their compile-cache keys) carry it
+    source = next(iter(inductor_kernels.c_shim_options(4, "avx512").values()))
+    assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {locality}\n" in next(iter(source.values()))[0]
+    assert BACKEND.codegen_options()["kernel_tuning"] == {"rows_prefetch_locality": locality}

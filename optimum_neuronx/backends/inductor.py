@@ -22,7 +22,7 @@ from ..modeling.decoder import Lowering
 from .base import Backend, CompiledGraph, GraphSpec
 from .inductor_build import objects_compiled_together
 from .inductor_codegen import codegen_options, decode_codegen
-from .inductor_kernels import DOT_KERNEL_ISAS, c_shim_options, kernel_digests
+from .inductor_kernels import DOT_KERNEL_ISAS, c_shim_options, kernel_digests, kernel_tuning
 from .workers import compile_workers, map_in_workers
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class InductorBackend(Backend):
         return torch.__version__
 
     def codegen_options(self) -> dict:
-        return {**codegen_options(), "kernels": kernel_digests()}
+        return {**codegen_options(), "kernels": kernel_digests(), "kernel_tuning": kernel_tuning()}
 
     def target(self, lowering: Lowering | None = None, dtype: torch.dtype | None = None) -> str:
         # The vector instructions Inductor's C++ kernels were compiled for: its ISA for this CPU (e.g. "avx512

@@ -13,6 +13,7 @@ The kernel sources live next to this file in kernels/; their digest is stamped i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -39,6 +40,37 @@ def kernel_digests() -> dict:
             for name in (ROWS_MATVEC, DECODE_ATTENTION)}
 
 
+# __builtin_prefetch's locality for the weights when rows_matvec reads several rows of x per pass (at one row it is
+# always 0, non-temporal), per CPU (vendor, family) where measured, else the default: 1 (into L2). Zen 4 (AVX-512):
+# its slower loop at several rows lost non-temporal lines before it reached them; into L2 streamed SmolLM2's
+# projections 1.1-1.3x faster (C harness). Zen 5 (AMD family 26): the other way round, non-temporal streamed 4 rows
+# of the 1.1B shape's and SmolLM2's projections 1.05-1.1x faster (C harness, both dtypes) and ran fp32 batch-4
+# token steps 1.07x (1.1B shape) and 1.10x (SmolLM2) faster (docs/performance.md).
+ROWS_PREFETCH_LOCALITY = {("AuthenticAMD", 26): 0}
+DEFAULT_ROWS_PREFETCH_LOCALITY = 1
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, int]:
+    """(vendor, family) of this x86 CPU from /proc/cpuinfo; ("", -1) where it cannot be read."""
+    fields = {}
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            name, sep, value = line.partition(":")
+            if not sep:
+                break  # end of the first processor's block
+            fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else -1
+
+
+def kernel_tuning() -> dict:
+    """The kernels' CPU-dependent constants; stamped into exports next to the kernels' digests."""
+    return {"rows_prefetch_locality": ROWS_PREFETCH_LOCALITY.get(cpu_identity(), DEFAULT_ROWS_PREFETCH_LOCALITY)}
+
+
 # The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86
 # feature names of backends/inductor.py). bfloat16 on AVX-512 without avx512_bf16 takes the AVX2 variant.
 DOT_KERNEL_ISAS = {
@@ -59,7 +91,8 @@ def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes
     # Inductor writes each string as `extern <string>;` inside an `extern "C" { ... }` block: `extern "C++" { ... }`
     # gives the source its own linkage block, in which the shim functions declare themselves extern "C".
     defines = {"OPTIMUM_NEURONX_ROW_PREFETCH_BYTES": ROW_PREFETCH_BYTES, "OPTIMUM_NEURONX_DOT_AVX512": int(isa == "avx512"),
-               "OPTIMUM_NEURONX_DOT_PIECE_BYTES": piece_bytes}
+               "OPTIMUM_NEURONX_DOT_PIECE_BYTES": piece_bytes,
+               "OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY": kernel_tuning()["rows_prefetch_locality"]}
     names = (ROWS_MATVEC, DECODE_ATTENTION) if attention else (ROWS_MATVEC,)
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items())
     source += "".join(kernel_source(name) for name in names)

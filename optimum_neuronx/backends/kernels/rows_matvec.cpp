@@ -15,7 +15,8 @@
 // is compiled at -O1: the hot functions ask for -O3 themselves. OPTIMUM_NEURONX_ROW_PREFETCH_BYTES,
 // OPTIMUM_NEURONX_DOT_AVX512 (1: the AVX-512 variant, 0: AVX2; the export's target names what it needs) and
 // OPTIMUM_NEURONX_DOT_PIECE_BYTES (-1: each variant's own kPieceBytes; tests set it to cut rows into pieces where
-// the variant takes them whole) are defined in front of this file.
+// the variant takes them whole) and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the weights' prefetch hint at several
+// rows of x) are defined in front of this file.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -258,12 +259,11 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
     // Weights are read once per step, so prefetches keep memory busy. One whole row: `ahead` elements further
     // (inductor_codegen.py measured the distance for Inductor's own loops). A block of whole rows: the next
     // block, front to back, C lines per step (a few KiB ahead in each row pointed into this block). The hint:
-    // non-temporal at one row of x (evicts nothing); into L2 (t2) at several, whose slower loop lost non-temporal
-    // lines before it reached them (t2 streamed 1.1-1.3x faster there, C harness, SmolLM2's projections; one row:
-    // no difference).
+    // non-temporal at one row of x (evicts nothing); at several, OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY, which
+    // depends on the CPU (inductor_kernels.py).
     if (!kTail)
       __builtin_prefetch(C == 1 || kPieces ? row + c * k + i + ahead : row + C * k + C * i + c * line, 0,
-                         R == 1 ? 0 : 1);
+                         R == 1 ? 0 : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY);
     w[c] = kTail ? Lines::load_first(row + c * k + i, k - i) : Lines::load(row + c * k + i);
   }
 #pragma GCC unroll 4
