@@ -22,9 +22,9 @@ DOT_ISA = {"avx512": {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: 
 # (rows, in, out), for 64-byte lines of 32 bfloat16 or 16 float32: full lines plus a tail, lines only, a tail only
 # (K < 32), more rows than the kernel's 4 accumulators (4 + 1), output counts that leave a remainder after the
 # blocks of 4 weight rows in each thread's half, and fewer outputs than one block; inputs that leave whole lines
-# and a tail after the steps of several lines (1 row: 4 lines per step, 4 bfloat16 rows: 2); bfloat16 input rows
-# past the AVX-512 kernel's 24 KiB per piece at 4, 3 and 2 rows (two pieces; the last ends in a tail at 4 rows), and
-# float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB. The AVX2 kernel takes rows whole; compiled with
+# and a tail after the steps of several lines (AVX-512: 4 lines per step at 1 row and 4 bfloat16 rows, 2 at 2
+# float32 rows); bfloat16 input rows past the AVX-512 kernel's 24 KiB per piece at 4, 3 and 2 rows (two pieces; the
+# last ends in a tail at 4 rows), and float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB. The AVX2 kernel takes rows whole; compiled with
 # pieces of 4 KiB (PIECES) it runs the pieces' partial sums too (up to 13 pieces).
 SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3), (1, 300, 40),
           (4, 232, 9), (4, 3300, 9), (3, 4200, 7), (2, 6200, 5)]
