@@ -24,8 +24,9 @@ DOT_ISA = {"avx512": {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: 
 # blocks of 4 weight rows in each thread's half, and fewer outputs than one block; inputs that leave whole lines
 # and a tail after the steps of several lines (AVX-512: 4 lines per step at 1 row and 4 bfloat16 rows, 2 at 2
 # float32 rows); bfloat16 input rows past the AVX-512 kernel's 24 KiB per piece at 4, 3 and 2 rows (two pieces; the
-# last ends in a tail at 4 rows), and float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB. The AVX2 kernel takes rows whole; compiled with
-# pieces of 4 KiB (PIECES) it runs the pieces' partial sums too (up to 13 pieces).
+# last ends in a tail at 4 rows), and float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB. The AVX2
+# kernel takes rows whole; compiled with pieces of 4 KiB (PIECES) it runs the pieces' partial sums too (up to 13
+# pieces).
 SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3), (1, 300, 40),
           (4, 232, 9), (4, 3300, 9), (3, 4200, 7), (2, 6200, 5)]
 
@@ -214,6 +215,7 @@ def test_prefetch_hint_at_several_rows_follows_the_cpu(cpuinfo, identity, locali
     monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
     assert inductor_kernels.kernel_tuning() == {"rows_prefetch_locality": locality}
     # the kernel is compiled with it, and exports (and their compile-cache keys) carry it
-    source = next(iter(inductor_kernels.c_shim_options(4, "avx512").values()))
-    assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {locality}\n" in next(iter(source.values()))[0]
+    shims = inductor_kernels.c_shim_options(4, "avx512")["aot_inductor.custom_ops_to_c_shims"]
+    source = shims[torch.ops.optimum_neuronx.rows_matvec.default][0]
+    assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {locality}\n" in source
     assert BACKEND.codegen_options()["kernel_tuning"] == {"rows_prefetch_locality": locality}

@@ -44,8 +44,8 @@ def kernel_digests() -> dict:
 # always 0, non-temporal), per CPU (vendor, family) where measured, else the default: 1 (into L2). Zen 4 (AVX-512):
 # its slower loop at several rows lost non-temporal lines before it reached them; into L2 streamed SmolLM2's
 # projections 1.1-1.3x faster (C harness). Zen 5 (AMD family 26): the other way round, non-temporal streamed 4 rows
-# of the 1.1B shape's and SmolLM2's projections 1.05-1.1x faster (C harness, both dtypes) and ran fp32 batch-4
-# token steps 1.07x (1.1B shape) and 1.10x (SmolLM2) faster (docs/performance.md).
+# of the 1.1B shape's and SmolLM2's projections 1.06-1.13x faster (C harness, both dtypes) and ran batch-4 token
+# steps 1.07x (1.1B shape fp32), 1.10x (SmolLM2 fp32) and 1.13x (1.1B shape bf16) faster (docs/performance.md).
 ROWS_PREFETCH_LOCALITY = {("AuthenticAMD", 26): 0}
 DEFAULT_ROWS_PREFETCH_LOCALITY = 1
 
