@@ -487,14 +487,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def environment() -> dict:
-    flags = ""
-    if Path("/proc/cpuinfo").exists():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = " ".join(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
-                break
-    model_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                       if line.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else ""
+    from optimum_neuronx.backends.inductor_kernels import cpu_fields
+
+    fields = cpu_fields()
+    flags = " ".join(f for f in fields.get("flags", "").split() if f.startswith(("avx", "amx", "fma")))
+    model_name = fields.get("model name", platform.machine()) if fields else ""
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": model_name, "cpu_flags": flags,
             "python": platform.python_version()}
 

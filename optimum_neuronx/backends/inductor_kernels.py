@@ -51,8 +51,8 @@ DEFAULT_ROWS_PREFETCH_LOCALITY = 1
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, int]:
-    """(vendor, family) of this x86 CPU from /proc/cpuinfo; ("", -1) where it cannot be read."""
+def cpu_fields(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's `name: value` fields of /proc/cpuinfo; {} where it cannot be read."""
     fields = {}
     try:
         for line in Path(cpuinfo).read_text().splitlines():
@@ -62,6 +62,12 @@ def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, int]:
             fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
+    return fields
+
+
+def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, int]:
+    """(vendor, family) of this x86 CPU from /proc/cpuinfo; ("", -1) where it cannot be read."""
+    fields = cpu_fields(cpuinfo)
     family = fields.get("cpu family", "")
     return fields.get("vendor_id", ""), int(family) if family.isdigit() else -1
 
