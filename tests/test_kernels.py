@@ -26,7 +26,7 @@ DOT_ISA = {"avx512": {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: 
 # float32 rows); bfloat16 input rows past the AVX-512 kernel's 24 KiB per piece at 4, 3 and 2 rows (two pieces; the
 # last ends in a tail at 4 rows), and float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB. The AVX2
 # kernel takes rows whole; compiled with pieces of 4 KiB (PIECES) it runs the pieces' partial sums too (up to 13
-# pieces).
+# pieces), and so does the AVX-512 float32 kernel, whose blocks of 4 x 4 sums load and store them 4 at a time.
 SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3), (1, 300, 40),
           (4, 232, 9), (4, 3300, 9), (3, 4200, 7), (2, 6200, 5)]
 
@@ -56,7 +56,8 @@ def _runs_here(isa, dtype):
 
 
 PIECES = 4096
-VARIANTS = [(isa, dtype, -1) for isa in DOT_ISA for dtype in DTYPES] + [("avx2", dtype, PIECES) for dtype in DTYPES]
+VARIANTS = [(isa, dtype, -1) for isa in DOT_ISA for dtype in DTYPES] + [("avx2", dtype, PIECES) for dtype in DTYPES] + [
+    ("avx512", torch.float32, PIECES)]
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[
