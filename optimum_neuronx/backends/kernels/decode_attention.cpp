@@ -11,7 +11,9 @@
 // a block of values is added into sums held in registers; both are prefetched two blocks ahead, since a step's
 // weights have pushed the cache out of the CPU's caches since the step before. Against one row at a time (each
 // dot product summed across its lanes alone; each value row added into sums in memory): 0.73-0.79x the time,
-// SmolLM2's batch-4 shape, Zen 3.
+// SmolLM2's batch-4 shape, Zen 3. A whole block's masked scores as one vector, a cache's back-to-back rows
+// prefetched a line at a time and the softmax's maximum taken lane by lane: SmolLM2's batch-4 token graphs 1.03x
+// (float32) and 1.014x (bfloat16) faster on Zen 5.
 //
 // Spliced after rows_matvec.cpp into the same wrapper (inductor_kernels.py), whose helpers it uses.
 
@@ -128,7 +130,14 @@ template <int kLocality, typename Element>
 OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline void prefetch_rows(
     const Element* part, const int64_t* strides, int64_t from, int64_t to, int64_t length, int64_t d) {
   const int64_t bytes = ((d - 1) * strides[3] + 1) * static_cast<int64_t>(sizeof(Element));
-  for (int64_t j = from; j < (to < length ? to : length); ++j) {
+  const int64_t end = to < length ? to : length;
+  if (strides[3] == 1 && strides[2] == d) {  // rows back to back (a cache's): each line once, no per-row extra
+    const uintptr_t last = reinterpret_cast<uintptr_t>(part + end * d);
+    for (uintptr_t at = reinterpret_cast<uintptr_t>(part + from * d) & ~uintptr_t(63); at < last; at += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(at), 0, kLocality);
+    return;
+  }
+  for (int64_t j = from; j < end; ++j) {
     const char* row = reinterpret_cast<const char*>(part + j * strides[2]);
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, kLocality);
     __builtin_prefetch(row + bytes - 1, 0, kLocality);  // a row that starts mid-line ends in one more
@@ -187,7 +196,12 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void part_scores(const float* __restrict q, int
       for (int64_t i = whole; i < d; ++i)
         for (int j = 0; j < kLanes; ++j) sums[j] += query[i] * key[j][i];
       const Element* m = mask + r * mask_strides[2] + j0 * mask_strides[3];
-      for (int64_t j = 0; j < count; ++j) scores[r * stride + j0 + j] = sums[j] + to_float(m[j * mask_strides[3]]);
+      if (count == kLanes && mask_strides[3] == 1) {  // a whole block: one vector (element by element: ~5x the work)
+        const Floats masked = sums + load_floats(m);
+        __builtin_memcpy(scores + r * stride + j0, &masked, sizeof(masked));
+      } else {
+        for (int64_t j = 0; j < count; ++j) scores[r * stride + j0 + j] = sums[j] + to_float(m[j * mask_strides[3]]);
+      }
     }
   }
 }
@@ -253,10 +267,18 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void softmax_weights(float* __restrict scores, 
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * stride;
     float peak = s[0];
-    for (int64_t j = 1; j < length; ++j) peak = s[j] > peak ? s[j] : peak;
-    Floats total = {};
     int64_t j = 0;
-    for (; j + kLanes <= length; j += kLanes) {
+    if (length >= kLanes) {  // lane by lane, then across the lanes (one chain of compares was ~3 cycles a score)
+      Floats peaks = load_floats(s);
+      for (j = kLanes; j + kLanes <= length; j += kLanes) {
+        const Floats v = load_floats(s + j);
+        peaks = v > peaks ? v : peaks;
+      }
+      for (int i = 0; i < kLanes; ++i) peak = peaks[i] > peak ? peaks[i] : peak;
+    }
+    for (; j < length; ++j) peak = s[j] > peak ? s[j] : peak;
+    Floats total = {};
+    for (j = 0; j + kLanes <= length; j += kLanes) {
       const Floats w = exp_nonpositive(load_floats(s + j) - splat(peak));
       __builtin_memcpy(s + j, &w, sizeof(w));
       total += w;
