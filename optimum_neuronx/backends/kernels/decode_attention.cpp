@@ -206,11 +206,11 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void part_scores(const float* __restrict q, int
   }
 }
 
-// out[r * d + i0, + kVectors * kLanes) += sum_j weights[r * stride + j] * value[j][i0, ...), r < kRows, j < count:
-// the sums held in registers across the block's rows. Each line of a value row is loaded once for the kRows rows,
-// whose sums are independent chains of multiply-adds: one row at a time left each vector of sums a chain of
-// `count` dependent multiply-adds: SmolLM2's 3 rows took 1.4-1.6x the time (C harness, Zen 5), its batch-4 token
-// graphs 1.08x (bfloat16) and 1.05x (float32).
+// out[r * d + i0 + e] += sum_j weights[r * stride + j] * value[j][i0 + e] (e < kVectors * kLanes, r < kRows,
+// j < count): the sums held in registers across the block's rows. Each line of a value row is loaded once for the
+// kRows rows, whose sums are independent chains of multiply-adds. One row at a time left each vector of sums a
+// chain of `count` dependent multiply-adds: SmolLM2's 3 rows took 1.4-1.6x the time (C harness, Zen 5), its
+// batch-4 token graphs 1.08x (bfloat16) and 1.05x (float32).
 template <int kRows, int kVectors>
 OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline void add_weighted(
     float* __restrict out, int64_t d, const float* const (&value)[kLanes], const float* __restrict weights,
@@ -238,7 +238,7 @@ OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline void add_
 }
 
 // add_weighted over a row's `vectors` whole vectors, 4 at a time (4 x 4 sums and 4 lines: 20 of AVX-512's 32
-// registers; AVX2 takes 2 rows, 12 of its 16).
+// registers; AVX2's groups of 2 rows, 2 x 4 and 4: 12 of its 16).
 template <int kRows>
 OPTIMUM_NEURONX_ATTENTION_TARGET void add_weighted_rows(float* __restrict out, int64_t d,
                                                         const float* const (&value)[kLanes],
@@ -272,7 +272,7 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void part_values(const float* __restrict weight
     for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
       float* o = out + r0 * d;
       const float* w = weights + r0 * stride + j0;
-      switch (rows - r0 < kGroup ? rows - r0 : kGroup) {
+      switch (rows - r0 < kGroup ? rows - r0 : kGroup) {  // (AVX2 never meets 3 or 4: no such groups compiled)
         case 4: add_weighted_rows<kGroup == 4 ? 4 : 1>(o, d, value, w, stride, count, vectors); break;
         case 3: add_weighted_rows<kGroup == 4 ? 3 : 1>(o, d, value, w, stride, count, vectors); break;
         case 2: add_weighted_rows<2>(o, d, value, w, stride, count, vectors); break;
