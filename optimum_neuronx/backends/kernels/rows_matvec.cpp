@@ -95,7 +95,7 @@ struct Avx512Lanes : PlainX {
       quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0x44),
                                _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0xee));
 #pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j)  // 128-bit lanes: v[8j .. 8j+3] (two lanes' sums), v[8j+4 .. 8j+7] (the same)
+    for (int j = 0; j < 2; ++j)  // 128-bit lanes: v[8j .. 8j+3] twice (sums of lanes 0-1, of 2-3), v[8j+4 ..] same
       halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], 0x88),
                                 _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
