@@ -78,13 +78,11 @@ struct Avx512Lanes : PlainX {
   __attribute__((always_inline)) static inline void keep_in_register(Value& value) {
     asm("" : "+v"(value));
   }
-  // kBlockSums: a block of 4 weight rows x 4 rows of x has its 16 sums reduced together (sum16) and stored 4
-  // at a time (load_4x4, store_4x4), where each of the 16 takes ~8 instructions alone; float32 only (the blocks
-  // bfloat16 takes have one weight row, kBlockRows). Zen 5, 4 float32 rows of 576, weights in L1: 2.1 cycles per
-  // weight line against 3.0 (2.4 with keep_in_register alone); SmolLM2's float32 batch-4 token graph 1.05x faster.
-  static constexpr bool kBlockSums = false;
-  // Lane j: the sum of v[j]'s lanes. A transposed tree, 30 shuffles and 15 adds, where 16 separate reductions
-  // take ~8 instructions each.
+  // A block of 4 weight rows x 4 rows of x (float32 only: the only Lines with kBlockRows 4) has its 16 sums reduced
+  // together by sum16 and stored 4 at a time (load_4x4, store_4x4), where each of the 16 takes ~8 instructions
+  // alone. Zen 5, 4 float32 rows of 576, weights in L1: 2.1 cycles per weight line against 3.0 (2.4 with
+  // keep_in_register alone); SmolLM2's float32 batch-4 token graph 1.05x faster.
+  // sum16: lane j is the sum of v[j]'s lanes; a transposed tree, 30 shuffles and 15 adds.
   __attribute__((target("avx512f"), always_inline)) static inline __m512 sum16(const Acc (&v)[16]) {
     __m512 pairs[8], quads[4], halves[2];
 #pragma GCC unroll 8
@@ -173,7 +171,6 @@ struct Float32Lines : Avx512Lanes {
     return _mm512_fmadd_ps(w, x, acc);
   }
   static inline Element store(float sum) { return sum; }
-  static constexpr bool kBlockSums = true;
 };
 
 // One target for both element types (GCC inlines intrinsics only into functions that enable their instruction
@@ -205,7 +202,6 @@ struct Avx2Lanes : PlainX {
   }
   template <typename Value>
   static inline void keep_in_register(Value&) {}
-  static constexpr bool kBlockSums = false;
   // 4-cycle multiply-adds, two per cycle on Zen 3: ~8 chains, i.e. 4 line accumulators, keep it busy.
   static constexpr int lines_per_step(int accumulators) { return accumulators >= 3 ? 1 : accumulators >= 2 ? 2 : 4; }
   static constexpr int kBlockRows = 1;
@@ -374,7 +370,7 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_piece(const typename Lines::Element* __restr
   for (; n + C <= n_end; n += C) {
     typename Lines::Acc total[C][R];
     dot_block<Lines, R, C, kPieces>(weight + n * k, x, k, k_padded, begin, end, ahead, total);
-    if constexpr (Lines::kBlockSums && R == 4 && C == 4) {
+    if constexpr (R == 4 && C == 4) {  // blocks of 4 weight rows: AVX-512 float32 (Avx512Lanes::sum16)
       typename Lines::Acc by_row[16];  // sum16's lane 4r + c: at r * n_out + n + c
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
