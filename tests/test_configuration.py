@@ -51,3 +51,24 @@ def test_compiler_args_are_checked_against_inductor_options():
         parse_compiler_args(["no_such_option=1"])
     with pytest.raises(ValueError, match=r"must look like name=value"):
         parse_compiler_args(["-O3"])
+
+
+def test_graphs_compile_with_our_inductor_options_unless_compiler_args_override(monkeypatch, tmp_path):
+    import types
+
+    from optimum_neuronx.backends import inductor
+    from optimum_neuronx.backends.inductor_codegen import MIN_ELEMENTS_PER_THREAD
+
+    seen = []
+    monkeypatch.setattr(inductor, "compile_workers", lambda graphs: 1)
+    monkeypatch.setattr(inductor, "_compile_graph", lambda decoder, inputs, options, build_dir, graph: (
+        seen.append(options) or ([], 0.0)))
+    monkeypatch.setattr("torch._inductor.package.package_aoti", lambda *args, **kwargs: None)
+    decoder = types.SimpleNamespace(lowering=types.SimpleNamespace(dot_rows=0, dot_isa="avx2", attention_kernel=False))
+    graphs = [types.SimpleNamespace(name="token_32")]
+    backend = inductor.InductorBackend()
+    backend.compile(decoder, graphs, None, tmp_path, [])
+    backend.compile(decoder, graphs, None, tmp_path, ["cpp.min_chunk_size=64"])
+    assert [options["cpp.min_chunk_size"] for options in seen] == [MIN_ELEMENTS_PER_THREAD, 64]
+    # stamped into exports: another value recompiles
+    assert backend.codegen_options()["min_elements_per_thread"] == MIN_ELEMENTS_PER_THREAD

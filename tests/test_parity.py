@@ -409,3 +409,28 @@ def test_row_streaming_loads_are_prefetched(dtype):
     assert torch.equal(fetched, plain)
     _, elementwise_code = _compiled_kernel(lambda w, v: w * v + 1, args, decode_codegen())
     assert "__builtin_prefetch" not in elementwise_code
+
+
+def test_small_loops_run_on_one_thread():
+    # A decode step's per-layer kernels (an RMSNorm of 4 rows of 576 at batch 4) split between threads cost an
+    # OpenMP region each, more than the loop itself: under our options they run on one thread, a prefill-sized loop
+    # is still split, and neither result changes.
+    from torch._inductor import config as inductor_config
+
+    from optimum_neuronx.backends.inductor_codegen import MIN_ELEMENTS_PER_THREAD, inductor_options
+
+    def rms_norm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+    weight = torch.randn(576)
+    decode = torch.randn(4, 576), weight
+    prefill = torch.randn(4 * MIN_ELEMENTS_PER_THREAD // 576, 576), weight  # 2 threads x 2 x the minimum
+    with inductor_config.patch({"cpp.threads": 2}):  # as on 2 cores (on one, Inductor splits nothing)
+        split, split_code = _compiled_kernel(rms_norm, decode)
+        with inductor_config.patch(inductor_options()):
+            alone, alone_code = _compiled_kernel(rms_norm, decode)
+            large, large_code = _compiled_kernel(rms_norm, prefill)
+    assert "omp parallel" in split_code and "omp parallel" not in alone_code
+    assert "omp parallel" in large_code
+    assert torch.equal(alone, split)
+    torch.testing.assert_close(large, rms_norm(*prefill))

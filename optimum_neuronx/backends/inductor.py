@@ -21,7 +21,7 @@ import torch
 from ..modeling.decoder import Lowering
 from .base import Backend, CompiledGraph, GraphSpec
 from .inductor_build import objects_compiled_together
-from .inductor_codegen import codegen_options, decode_codegen
+from .inductor_codegen import codegen_options, decode_codegen, inductor_options
 from .inductor_kernels import DOT_KERNEL_ISAS, c_shim_options, kernel_digests, kernel_tuning
 from .workers import compile_workers, map_in_workers
 
@@ -188,7 +188,8 @@ class InductorBackend(Backend):
         from torch._inductor.package import package_aoti
 
         lowering = decoder.lowering
-        options = {**c_shim_options(lowering.dot_rows, lowering.dot_isa, lowering.attention_kernel),
+        options = {**inductor_options(),
+                   **c_shim_options(lowering.dot_rows, lowering.dot_isa, lowering.attention_kernel),
                    **parse_compiler_args(compiler_args)}
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="optimum-neuronx-aoti-") as build_dir:
