@@ -23,8 +23,9 @@ DOT_ISA = {"avx512": {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: 
 # (K < 32), more rows than the kernel's 4 accumulators (4 + 1), output counts that leave a remainder after the
 # blocks of 4 weight rows in each thread's half, and fewer outputs than one block; inputs that leave whole lines
 # and a tail after the steps of several lines (AVX-512: 4 lines per step at 1 row and 4 bfloat16 rows, 2 at 2
-# float32 rows); bfloat16 input rows past the AVX-512 kernel's 24 KiB per piece at 4, 3 and 2 rows (two pieces; the
-# last ends in a tail at 4 rows), and float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB. The AVX2
+# float32 rows); bfloat16 input rows past the AVX-512 kernel's 24 KiB per piece at 4, 3 and 2 rows, which it takes
+# whole in blocks of 4 weight rows instead (ending in a tail at 4 rows; output counts below one block and past it),
+# and float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB. The AVX2
 # kernel takes rows whole; compiled with pieces of 4 KiB (PIECES) it runs the pieces' partial sums too (up to 13
 # pieces), and so does the AVX-512 float32 kernel, whose blocks of 4 x 4 sums load and store them 4 at a time.
 SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3), (1, 300, 40),
@@ -102,6 +103,26 @@ def test_kernel_matches_sums_rounded_once(kernel_package):
         assert out.dtype == expected.dtype and out.shape == expected.shape
         _assert_close(out, expected)
         _assert_close(out, eager)
+
+
+def test_kernel_rounds_each_sum_once_to_nearest_even(kernel_package):
+    # Rows of x with two ones: each sum is one addition of two weights, exact in float32 in any order, so the output
+    # must be that float32 sum rounded once (bfloat16: to nearest even, ties half the time), bit for bit, in every
+    # path (sums stored one at a time, 4 x 4 blocks, pieces).
+    from torch._inductor.package import load_package
+
+    path, module, (xs, transposed) = kernel_package
+    generator = torch.Generator().manual_seed(2)
+    hot = []
+    for x in xs:
+        rows, k = x.shape
+        picks = torch.stack([torch.randperm(k, generator=generator)[:2] for _ in range(rows)])
+        hot.append(torch.zeros(rows, k, dtype=x.dtype).scatter_(1, picks, 1.0))
+    outs = load_package(path)(hot, transposed)
+    for out, x, weight in zip(outs, hot, module.weights):
+        picks = x.nonzero()[:, 1].view(x.shape[0], 2)
+        expected = (weight.float()[:, picks[:, 0]] + weight.float()[:, picks[:, 1]]).t().to(x.dtype)
+        assert torch.equal(out, expected)
 
 
 def test_graph_carries_the_kernel_and_runs_without_our_package(kernel_package, tmp_path):

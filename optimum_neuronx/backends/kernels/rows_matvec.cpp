@@ -66,6 +66,12 @@ struct PlainX {
 // ~32 GB/s), against one row of x: 4 bfloat16 rows of 5632 (45 KiB) whole streamed at 0.64x, in pieces of at most
 // 24 KiB 0.98x, 16 KiB 0.93x, 8 KiB 0.80x; rows of 2048 (16 KiB) whole 1.0x. Blocks of 4 float32 weight rows load
 // each line of x once per 4 weight lines: whole rows of 5632 (90 KiB) ran 1.06-1.10x faster than pieces of 22 KiB.
+// kLongBlockRows (> 1): several rows of x longer than a piece are read whole, in blocks of that many weight rows,
+// instead of in pieces. Zen 5, the 1.1B shape's down projection (4 bfloat16 rows of 5632), both variants in one
+// process taking turns (C harness): blocks of 4 1.15x faster than pieces of 24 KiB in a slow memory phase, 1.04x
+// in a fast one (each pass over the rows strides through every row; a block reads its 4 rows and loads each line
+// of x once for them); all four of its projections 1.04x / 1.02x faster; its batch-4 bfloat16 token graph 1.08x
+// faster (fast phase). At 2 or 3 rows (x longer than a piece from 6144 / 4096 columns) not measured.
 #if OPTIMUM_NEURONX_DOT_AVX512
 struct Avx512Lanes : PlainX {
   using Acc = __m512;
@@ -78,7 +84,7 @@ struct Avx512Lanes : PlainX {
   __attribute__((always_inline)) static inline void keep_in_register(Value& value) {
     asm("" : "+v"(value));
   }
-  // A block of 4 weight rows x 4 rows of x (float32 only: the only Lines with kBlockRows 4) has its 16 sums reduced
+  // A block of 4 weight rows x 4 rows of x (float32; bfloat16 rows longer than a piece) has its 16 sums reduced
   // together by sum16 and stored 4 at a time (load_4x4, store_4x4), where each of the 16 takes ~8 instructions
   // alone. Zen 5, 4 float32 rows of 576, weights in L1: 2.1 cycles per weight line against 3.0 (2.4 with
   // keep_in_register alone); SmolLM2's float32 batch-4 token graph 1.05x faster.
@@ -99,7 +105,8 @@ struct Avx512Lanes : PlainX {
     return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
                          _mm512_shuffle_f32x4(halves[0], halves[1], 0xdd));
   }
-  // 4 rows of 4 floats, `stride` apart, as one vector (lane 4r + c: row r, element c) and back.
+  // 4 rows of 4 floats, `stride` apart, as one vector (lane 4r + c: row r, element c) and back; or to bfloat16,
+  // rounded as round_to_bf16 does.
   __attribute__((target("avx512f"), always_inline)) static inline __m512 load_4x4(const float* p, int64_t stride) {
     const __m512 low = _mm512_insertf32x4(_mm512_castps128_ps512(_mm_loadu_ps(p)), _mm_loadu_ps(p + stride), 1);
     return _mm512_insertf32x4(_mm512_insertf32x4(low, _mm_loadu_ps(p + 2 * stride), 2), _mm_loadu_ps(p + 3 * stride),
@@ -111,6 +118,17 @@ struct Avx512Lanes : PlainX {
     _mm_storeu_ps(p + stride, _mm512_extractf32x4_ps(v, 1));
     _mm_storeu_ps(p + 2 * stride, _mm512_extractf32x4_ps(v, 2));
     _mm_storeu_ps(p + 3 * stride, _mm512_extractf32x4_ps(v, 3));
+  }
+  __attribute__((target("avx512f"), always_inline)) static inline void store_4x4(uint16_t* p, int64_t stride,
+                                                                                  __m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    alignas(32) uint64_t rows[4];  // row r's 4 elements in rows[r]
+    _mm256_store_si256(reinterpret_cast<__m256i*>(rows), _mm512_cvtepi32_epi16(rounded));
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) __builtin_memcpy(p + r * stride, &rows[r], sizeof(rows[r]));
   }
   // Independent chains of multiply-adds (one per accumulator): vdpbf16ps takes 6 cycles on Zen 4, a float32
   // multiply-add 4, so fewer than ~8 chains leave the core idle between lines. C harness, 2 threads, SmolLM2's
@@ -130,6 +148,7 @@ struct BFloat16Lines : Avx512Lanes {
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int kBlockRows = 1;
+  static constexpr int kLongBlockRows = 4;
   static constexpr int64_t kPieceBytes = 24576;
   __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline Vector load(const Element* p) {
     return (Vector)_mm512_loadu_si512(p);
@@ -155,6 +174,7 @@ struct Float32Lines : Avx512Lanes {
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int kBlockRows = 4;
+  static constexpr int kLongBlockRows = 0;  // rows are whole
   static constexpr int64_t kPieceBytes = 0;
   __attribute__((target("avx512f"), always_inline)) static inline Vector load(const Element* p) {
     return _mm512_loadu_ps(p);
@@ -205,6 +225,7 @@ struct Avx2Lanes : PlainX {
   // 4-cycle multiply-adds, two per cycle on Zen 3: ~8 chains, i.e. 4 line accumulators, keep it busy.
   static constexpr int lines_per_step(int accumulators) { return accumulators >= 3 ? 1 : accumulators >= 2 ? 2 : 4; }
   static constexpr int kBlockRows = 1;
+  static constexpr int kLongBlockRows = 0;  // rows are whole
   static constexpr int64_t kPieceBytes = 0;
   using XElement = float;
   using XLine = const float*;
@@ -370,7 +391,7 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_piece(const typename Lines::Element* __restr
   for (; n + C <= n_end; n += C) {
     typename Lines::Acc total[C][R];
     dot_block<Lines, R, C, kPieces>(weight + n * k, x, k, k_padded, begin, end, ahead, total);
-    if constexpr (R == 4 && C == 4) {  // blocks of 4 weight rows: AVX-512 float32 (Avx512Lanes::sum16)
+    if constexpr (R == 4 && C == 4) {  // blocks of 4 weight rows: AVX-512 only (Avx512Lanes::sum16)
       typename Lines::Acc by_row[16];  // sum16's lane 4r + c: at r * n_out + n + c
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
@@ -419,7 +440,8 @@ int64_t piece_columns(int rows, int64_t k) {
   return ((k + pieces - 1) / pieces + line - 1) / line * line;
 }
 
-// Weight rows [n_begin, n_end) times R rows of x, Lines::kBlockRows weight rows at a time for several rows of x.
+// Weight rows [n_begin, n_end) times R rows of x, Lines::kBlockRows weight rows at a time for several rows of x;
+// rows of x longer than a piece (piece < k) whole, Lines::kLongBlockRows at a time, where Lines has them.
 template <typename Lines, int R>
 OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restrict weight,
                                          const typename Lines::XElement* __restrict x, int64_t k, int64_t k_padded,
@@ -427,6 +449,13 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restri
                                          float* __restrict partial, typename Lines::Element* __restrict y) {
   constexpr int C = R == 1 ? 1 : Lines::kBlockRows;
   constexpr int64_t row_ahead = OPTIMUM_NEURONX_ROW_PREFETCH_BYTES / sizeof(typename Lines::Element);
+  if constexpr (R > 1 && Lines::kLongBlockRows > 1) {
+    if (piece < k) {
+      dot_piece<Lines, R, Lines::kLongBlockRows, false>(weight, x, k, k_padded, n_out, n_begin, n_end, 0, k, row_ahead,
+                                                        true, true, nullptr, y);
+      return;
+    }
+  }
   if (piece >= k) {
     dot_piece<Lines, R, C, false>(weight, x, k, k_padded, n_out, n_begin, n_end, 0, k, row_ahead, true, true, nullptr,
                                   y);
@@ -490,8 +519,9 @@ bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_dat
     const typename Lines::XElement* xs = aligned_rows<Lines>(static_cast<const Element*>(x_data) + first * x_strides[0],
                                                              count, k, x_strides[0], x_strides[1], k_padded);
     const int64_t piece = piece_columns<Lines>(count, k);
-    float* partial = piece < k ? kept_buffer<float, 1>(count * n_out) : nullptr;
-    if (!xs || (piece < k && !partial)) return false;
+    const bool partial_sums = piece < k && (count == 1 || Lines::kLongBlockRows <= 1);  // see dot_rows
+    float* partial = partial_sums ? kept_buffer<float, 1>(count * n_out) : nullptr;
+    if (!xs || (partial_sums && !partial)) return false;
     Element* y = static_cast<Element*>(y_data) + first * n_out;
     switch (count) {
       case 1: dot_rows_parallel<Lines, 1>(w, xs, k, k_padded, n_out, piece, partial, y); break;
