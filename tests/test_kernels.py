@@ -23,13 +23,13 @@ DOT_ISA = {"avx512": {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: 
 # (K < 32), more rows than the kernel's 4 accumulators (4 + 1), output counts that leave a remainder after the
 # blocks of 4 weight rows in each thread's half, and fewer outputs than one block; inputs that leave whole lines
 # and a tail after the steps of several lines (AVX-512: 4 lines per step at 1 row and 4 bfloat16 rows, 2 at 2
-# float32 rows); bfloat16 input rows past the AVX-512 kernel's 24 KiB per piece at 4, 3 and 2 rows, which it takes
-# whole in blocks of 4 weight rows instead (ending in a tail at 4 rows; output counts below one block and past it),
-# and float32 ones taken whole (blocks of 4 weight rows) up to 52 KiB. The AVX2
-# kernel takes rows whole; compiled with pieces of 4 KiB (PIECES) it runs the pieces' partial sums too (up to 13
-# pieces), and so does the AVX-512 float32 kernel, whose blocks of 4 x 4 sums load and store them 4 at a time.
+# float32 rows); bfloat16 rows of x past the AVX-512 kernel's 24 KiB of short rows at 4, 3 and 2 rows, which it
+# takes whole in blocks of 4 weight rows like float32 ones (ending in a tail at 4 rows; output counts below one
+# block and past it), up to 52 KiB of float32; one row of 2100, which the kernels compiled with pieces of 4 KiB
+# (PIECES) cut into 2 (bfloat16) or 3 (float32) pieces with partial sums; so does the AVX2 kernel, which takes one
+# weight row at a time, at every row count (up to 13 pieces).
 SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3), (1, 300, 40),
-          (4, 232, 9), (4, 3300, 9), (3, 4200, 7), (2, 6200, 5)]
+          (4, 232, 9), (4, 3300, 9), (3, 4200, 7), (2, 6200, 5), (1, 2100, 12)]
 
 
 class _Projections(torch.nn.Module):
@@ -57,8 +57,7 @@ def _runs_here(isa, dtype):
 
 
 PIECES = 4096
-VARIANTS = [(isa, dtype, -1) for isa in DOT_ISA for dtype in DTYPES] + [("avx2", dtype, PIECES) for dtype in DTYPES] + [
-    ("avx512", torch.float32, PIECES)]
+VARIANTS = [(isa, dtype, pieces) for pieces in (-1, PIECES) for isa in DOT_ISA for dtype in DTYPES]
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[

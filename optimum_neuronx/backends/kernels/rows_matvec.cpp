@@ -54,24 +54,23 @@ struct PlainX {
 // (zero, add, reduce); load a weight line (whole, or its first `count` elements); XElement, x as the kernel keeps
 // it (copy_x_row: x's row into that form, zero-padded to whole lines), and load_x, one line of it for
 // multiply_add; store, a float32 sum rounded to an element; lines_per_step (below).
-// kBlockRows: weight rows per block for several rows of x (dot_block). AVX-512, measured on Zen 4 with SmolLM2's
-// projections, 2 threads,
-// a slow memory phase (~24 GB/s): at 4 float32 rows, blocks of 4 ran its batch-4 token graph 11% faster than
-// oneDNN (one row at a time: 1%) and streamed the projections 1.5x faster with weights in cache; at 4 bfloat16
-// rows, blocks of 4 ran the token graph 4-7% slower than one row at a time (bfloat16 lines hold twice the inputs
-// for the same multiply-adds: the loop is further from its compute limit). At 1 row, single weight rows stream
-// memory ~10% faster than blocks.
-// kPieceBytes: the most bytes of x (all rows, as the kernel keeps it) one pass over the weight rows takes
-// (piece_columns; 0: whole rows). AVX-512, measured on the 1.1B shape's projections (22 layers of each from memory, 2 threads, a slow memory phase,
-// ~32 GB/s), against one row of x: 4 bfloat16 rows of 5632 (45 KiB) whole streamed at 0.64x, in pieces of at most
-// 24 KiB 0.98x, 16 KiB 0.93x, 8 KiB 0.80x; rows of 2048 (16 KiB) whole 1.0x. Blocks of 4 float32 weight rows load
-// each line of x once per 4 weight lines: whole rows of 5632 (90 KiB) ran 1.06-1.10x faster than pieces of 22 KiB.
-// kLongBlockRows (> 1): several rows of x longer than a piece are read whole, in blocks of that many weight rows,
-// instead of in pieces. Zen 5, the 1.1B shape's down projection (4 bfloat16 rows of 5632), both variants in one
-// process taking turns (C harness): blocks of 4 1.15x faster than pieces of 24 KiB in a slow memory phase, 1.04x
-// in a fast one (each pass over the rows strides through every row; a block reads its 4 rows and loads each line
-// of x once for them); all four of its projections 1.04x / 1.02x faster; its batch-4 bfloat16 token graph 1.08x
-// faster (fast phase). At 2 or 3 rows (x longer than a piece from 6144 / 4096 columns) not measured.
+// kBlockRows: weight rows per block for several rows of x (dot_block) longer than kShortRowsBytes (all rows, as
+// the kernel keeps them); shorter ones, and one row, take one weight row at a time. AVX-512, both variants in one
+// process taking turns (C harness, Zen 5, 4 rows) unless said otherwise:
+// - Short rows: a weight row's loads of x come from L1, and single weight rows make one stream per thread where a
+//   block makes 4. bfloat16 (Zen 4, SmolLM2's batch-4 token graph): blocks 4-7% slower. float32: SmolLM2's
+//   projections (576 and 1536 inputs) one weight row at a time 1.04-1.05x faster in a fast memory phase, 1.00x in
+//   a slow one, but its batch-4 token graph no faster (0.98x, 1.02x in two runs of 12-20 rounds): float32 keeps
+//   blocks at every length (a block loads each line of x once per 4 weight lines, for 4 multiply-adds of 16 lanes).
+// - Long rows: x no longer stays in L1 next to the streaming weights. The 1.1B shape's float32 projections of 2048
+//   inputs (32 KiB at 4 rows) one weight row at a time 1.03x slower than blocks, of 5632 (88 KiB) 1.40x slower;
+//   its bfloat16 down projection (5632, 45 KiB) in blocks 1.15x (slow phase) / 1.04x (fast) faster than in pieces
+//   of 24 KiB, and the batch-4 bfloat16 token graph 1.08x faster.
+// At 2 or 3 rows not measured. One row takes one weight row at a time (~10% faster than blocks, Zen 4).
+// kPieceBytes: the most bytes of one row of x one pass over the weight rows takes (piece_columns; 0: whole rows);
+// several rows are taken whole where the variant has blocks. AVX-512, measured on the 1.1B shape's projections (22
+// layers of each from memory, 2 threads, a slow memory phase, ~32 GB/s; Zen 4): 4 bfloat16 rows of 5632 (45 KiB)
+// whole, one weight row at a time, streamed at 0.64x one row of x, in pieces of at most 24 KiB 0.98x.
 #if OPTIMUM_NEURONX_DOT_AVX512
 struct Avx512Lanes : PlainX {
   using Acc = __m512;
@@ -84,8 +83,8 @@ struct Avx512Lanes : PlainX {
   __attribute__((always_inline)) static inline void keep_in_register(Value& value) {
     asm("" : "+v"(value));
   }
-  // A block of 4 weight rows x 4 rows of x (float32; bfloat16 rows longer than a piece) has its 16 sums reduced
-  // together by sum16 and stored 4 at a time (load_4x4, store_4x4), where each of the 16 takes ~8 instructions
+  // A block of 4 weight rows x 4 rows of x has its 16 sums reduced together by sum16 and stored 4 at a time
+  // (store_4x4), where each of the 16 takes ~8 instructions
   // alone. Zen 5, 4 float32 rows of 576, weights in L1: 2.1 cycles per weight line against 3.0 (2.4 with
   // keep_in_register alone); SmolLM2's float32 batch-4 token graph 1.05x faster.
   // sum16: lane j is the sum of v[j]'s lanes; a transposed tree, 30 shuffles and 15 adds.
@@ -105,13 +104,7 @@ struct Avx512Lanes : PlainX {
     return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
                          _mm512_shuffle_f32x4(halves[0], halves[1], 0xdd));
   }
-  // 4 rows of 4 floats, `stride` apart, as one vector (lane 4r + c: row r, element c) and back; or to bfloat16,
-  // rounded as round_to_bf16 does.
-  __attribute__((target("avx512f"), always_inline)) static inline __m512 load_4x4(const float* p, int64_t stride) {
-    const __m512 low = _mm512_insertf32x4(_mm512_castps128_ps512(_mm_loadu_ps(p)), _mm_loadu_ps(p + stride), 1);
-    return _mm512_insertf32x4(_mm512_insertf32x4(low, _mm_loadu_ps(p + 2 * stride), 2), _mm_loadu_ps(p + 3 * stride),
-                              3);
-  }
+  // Lane 4r + c of v to row r, element c of 4 rows `stride` apart; bfloat16 rounded as round_to_bf16 does.
   __attribute__((target("avx512f"), always_inline)) static inline void store_4x4(float* p, int64_t stride,
                                                                                   __m512 v) {
     _mm_storeu_ps(p, _mm512_castps512_ps128(v));
@@ -139,6 +132,7 @@ struct Avx512Lanes : PlainX {
   static constexpr int lines_per_step(int accumulators) {
     return accumulators >= 16 ? 1 : 16 / accumulators < 4 ? 16 / accumulators : 4;
   }
+  static constexpr int kBlockRows = 4;
 };
 
 struct BFloat16Lines : Avx512Lanes {
@@ -147,8 +141,7 @@ struct BFloat16Lines : Avx512Lanes {
   using Vector = __m512bh;
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
-  static constexpr int kBlockRows = 1;
-  static constexpr int kLongBlockRows = 4;
+  static constexpr int64_t kShortRowsBytes = 24576;
   static constexpr int64_t kPieceBytes = 24576;
   __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline Vector load(const Element* p) {
     return (Vector)_mm512_loadu_si512(p);
@@ -173,8 +166,7 @@ struct Float32Lines : Avx512Lanes {
   using Vector = __m512;
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
-  static constexpr int kBlockRows = 4;
-  static constexpr int kLongBlockRows = 0;  // rows are whole
+  static constexpr int64_t kShortRowsBytes = 0;  // blocks at every length
   static constexpr int64_t kPieceBytes = 0;
   __attribute__((target("avx512f"), always_inline)) static inline Vector load(const Element* p) {
     return _mm512_loadu_ps(p);
@@ -225,7 +217,7 @@ struct Avx2Lanes : PlainX {
   // 4-cycle multiply-adds, two per cycle on Zen 3: ~8 chains, i.e. 4 line accumulators, keep it busy.
   static constexpr int lines_per_step(int accumulators) { return accumulators >= 3 ? 1 : accumulators >= 2 ? 2 : 4; }
   static constexpr int kBlockRows = 1;
-  static constexpr int kLongBlockRows = 0;  // rows are whole
+  static constexpr int64_t kShortRowsBytes = 0;
   static constexpr int64_t kPieceBytes = 0;
   using XElement = float;
   using XLine = const float*;
@@ -391,19 +383,14 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_piece(const typename Lines::Element* __restr
   for (; n + C <= n_end; n += C) {
     typename Lines::Acc total[C][R];
     dot_block<Lines, R, C, kPieces>(weight + n * k, x, k, k_padded, begin, end, ahead, total);
-    if constexpr (R == 4 && C == 4) {  // blocks of 4 weight rows: AVX-512 only (Avx512Lanes::sum16)
+    if constexpr (R == 4 && C == 4) {  // blocks of 4 weight rows (AVX-512), rows whole: Avx512Lanes::sum16
       typename Lines::Acc by_row[16];  // sum16's lane 4r + c: at r * n_out + n + c
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) by_row[r * C + c] = total[c][r];
-      typename Lines::Acc sums = Lines::sum16(by_row);
-      if (!first) sums = Lines::add(sums, Lines::load_4x4(partial + n, n_out));
-      if (last) {
-        Lines::store_4x4(y + n, n_out, sums);
-      } else {
-        Lines::store_4x4(partial + n, n_out, sums);
-      }
+      static_assert(!kPieces, "blocks of weight rows take rows of x whole");
+      Lines::store_4x4(y + n, n_out, Lines::sum16(by_row));
       continue;
     }
 #pragma GCC unroll 4
@@ -426,36 +413,37 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_piece(const typename Lines::Element* __restr
 }
 
 // Input columns per piece for R rows of k: as few pieces as keep to Lines::kPieceBytes each (all R rows together),
-// of even size in whole 64-byte lines; at least k (whole rows, no partial sums) when kPieceBytes is 0. A block of
-// one weight row reads the input rows once per weight row, so they must stay in L1 next to the streaming weights:
-// each piece is then done for all weight rows of a thread before the next, its float32 sums kept in `partial`.
+// of even size in whole 64-byte lines; at least k (whole rows, no partial sums) when kPieceBytes is 0, and for
+// several rows where Lines has blocks (dot_rows). One weight row at a time reads the input rows once per weight
+// row, so they must stay in L1 next to the streaming weights: each piece is then done for all weight rows of a
+// thread before the next, its float32 sums kept in `partial`.
 template <typename Lines>
 int64_t piece_columns(int rows, int64_t k) {
   constexpr int64_t line = Lines::kLine;
   constexpr int64_t bytes = OPTIMUM_NEURONX_DOT_PIECE_BYTES >= 0 ? OPTIMUM_NEURONX_DOT_PIECE_BYTES : Lines::kPieceBytes;
-  if (bytes == 0) return k;
+  if (bytes == 0 || (rows > 1 && Lines::kBlockRows > 1)) return k;
   int64_t most = bytes / (rows * int64_t(sizeof(typename Lines::XElement))) / line * line;
   if (most < line) most = line;
   const int64_t pieces = (k + most - 1) / most;
   return ((k + pieces - 1) / pieces + line - 1) / line * line;
 }
 
-// Weight rows [n_begin, n_end) times R rows of x, Lines::kBlockRows weight rows at a time for several rows of x;
-// rows of x longer than a piece (piece < k) whole, Lines::kLongBlockRows at a time, where Lines has them.
+// Weight rows [n_begin, n_end) times R rows of x: several rows longer than Lines::kShortRowsBytes in blocks of
+// Lines::kBlockRows weight rows, others one weight row at a time.
 template <typename Lines, int R>
 OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restrict weight,
                                          const typename Lines::XElement* __restrict x, int64_t k, int64_t k_padded,
                                          int64_t n_out, int64_t n_begin, int64_t n_end, int64_t piece,
                                          float* __restrict partial, typename Lines::Element* __restrict y) {
-  constexpr int C = R == 1 ? 1 : Lines::kBlockRows;
   constexpr int64_t row_ahead = OPTIMUM_NEURONX_ROW_PREFETCH_BYTES / sizeof(typename Lines::Element);
-  if constexpr (R > 1 && Lines::kLongBlockRows > 1) {
-    if (piece < k) {
-      dot_piece<Lines, R, Lines::kLongBlockRows, false>(weight, x, k, k_padded, n_out, n_begin, n_end, 0, k, row_ahead,
-                                                        true, true, nullptr, y);
+  if constexpr (R > 1 && Lines::kBlockRows > 1) {
+    if (R * k_padded * int64_t(sizeof(typename Lines::XElement)) > Lines::kShortRowsBytes) {
+      dot_piece<Lines, R, Lines::kBlockRows, false>(weight, x, k, k_padded, n_out, n_begin, n_end, 0, k, row_ahead,
+                                                    true, true, nullptr, y);
       return;
     }
   }
+  constexpr int C = 1;
   if (piece >= k) {
     dot_piece<Lines, R, C, false>(weight, x, k, k_padded, n_out, n_begin, n_end, 0, k, row_ahead, true, true, nullptr,
                                   y);
@@ -519,9 +507,8 @@ bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_dat
     const typename Lines::XElement* xs = aligned_rows<Lines>(static_cast<const Element*>(x_data) + first * x_strides[0],
                                                              count, k, x_strides[0], x_strides[1], k_padded);
     const int64_t piece = piece_columns<Lines>(count, k);
-    const bool partial_sums = piece < k && (count == 1 || Lines::kLongBlockRows <= 1);  // see dot_rows
-    float* partial = partial_sums ? kept_buffer<float, 1>(count * n_out) : nullptr;
-    if (!xs || (partial_sums && !partial)) return false;
+    float* partial = piece < k ? kept_buffer<float, 1>(count * n_out) : nullptr;
+    if (!xs || (piece < k && !partial)) return false;
     Element* y = static_cast<Element*>(y_data) + first * n_out;
     switch (count) {
       case 1: dot_rows_parallel<Lines, 1>(w, xs, k, k_padded, n_out, piece, partial, y); break;
