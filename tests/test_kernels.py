@@ -106,8 +106,8 @@ def test_kernel_matches_sums_rounded_once(kernel_package):
 
 def test_kernel_rounds_each_sum_once_to_nearest_even(kernel_package):
     # Rows of x with two ones: each sum is one addition of two weights, exact in float32 in any order, so the output
-    # must be that float32 sum rounded once (bfloat16: to nearest even, ties half the time), bit for bit, in every
-    # path (sums stored one at a time, 4 x 4 blocks, pieces).
+    # must be that float32 sum rounded once (bfloat16: to nearest, ties to even), bit for bit, in every path (sums
+    # stored one at a time, 4 x 4 blocks, pieces).
     from torch._inductor.package import load_package
 
     path, module, (xs, transposed) = kernel_package

@@ -216,8 +216,7 @@ struct Avx2Lanes : PlainX {
   static inline void keep_in_register(Value&) {}
   // 4-cycle multiply-adds, two per cycle on Zen 3: ~8 chains, i.e. 4 line accumulators, keep it busy.
   static constexpr int lines_per_step(int accumulators) { return accumulators >= 3 ? 1 : accumulators >= 2 ? 2 : 4; }
-  static constexpr int kBlockRows = 1;
-  static constexpr int64_t kShortRowsBytes = 0;
+  static constexpr int kBlockRows = 1;  // no blocks: kShortRowsBytes is not read
   static constexpr int64_t kPieceBytes = 0;
   using XElement = float;
   using XLine = const float*;
