@@ -240,6 +240,46 @@ def test_batch_past_the_dot_kernel_runs_on_packed_weights_and_matches_eager(tiny
     assert result.tokens_match, result
 
 
+def test_weights_file_puts_whole_line_tensors_on_cache_lines(tmp_path):
+    # The dot kernel streams weights straight from the mapped file: each tensor that is a whole number of 64-byte
+    # lines must start on a line (odd-sized ones go last), and the library must read every tensor back unchanged.
+    import json
+    import struct
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from optimum_neuronx.artifacts import WEIGHTS_ALIGNMENT, save_weights
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.odd": torch.randn(3, generator=generator).to(torch.bfloat16),  # 6 bytes: would shift what follows it
+        "b.matrix": torch.randn(3, 48, generator=generator),
+        "c.half": torch.randn(5, 32, generator=generator).to(torch.bfloat16),
+        "d.flags": torch.tensor([True, False, True]),
+        "e.scalar": torch.tensor(7, dtype=torch.int64),
+        "f.empty": torch.zeros(0, 4),
+        "g.rows": torch.randn(16, 7, generator=generator).t(),  # not contiguous
+    }
+    path = tmp_path / "model.safetensors"
+    save_weights(tensors, path)
+    with open(path, "rb") as f:
+        header_size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_size))
+    assert header.pop("__metadata__") == {"format": "pt"}
+    for name in ("b.matrix", "c.half", "g.rows", "f.empty"):
+        assert (8 + header_size + header[name]["data_offsets"][0]) % WEIGHTS_ALIGNMENT == 0, name
+    assert header["a.odd"]["data_offsets"][0] > header["g.rows"]["data_offsets"][0]  # odd sizes after whole lines
+    loaded = load_file(str(path))
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    with safe_open(str(path), framework="pt") as f:
+        assert torch.equal(f.get_tensor("g.rows"), tensors["g.rows"])
+    with pytest.raises(TypeError, match="complex64"):
+        save_weights({"z": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "other.safetensors")
+
+
 def test_packing_reads_the_weights_file_ahead_front_to_back(tmp_path, monkeypatch):
     # While packable weights are packed, a thread asks the kernel to read the file ahead in large requests, in file
     # order, and stops with the packing.

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import save_file
 
-from ..artifacts import WEIGHTS_NAME, atomic_directory, copy_artifact_files, read_artifact, write_neuron_config
+from ..artifacts import (WEIGHTS_NAME, atomic_directory, copy_artifact_files, read_artifact, save_weights,
+                         write_neuron_config)
 from ..cache import ENTRY_META, CacheKey, CompileCache, cache_key, weights_digest
 from ..backends import Backend, GraphSpec, get_backend
 from ..configuration import NeuronConfig
@@ -135,7 +135,7 @@ def _compile(p: _Prepared, output_dir: str | Path) -> dict:
 
     nc = p.neuron_config
     with atomic_directory(output_dir) as staging:
-        save_file(dict(p.decoder.state_dict()), str(staging / WEIGHTS_NAME))
+        save_weights(dict(p.decoder.state_dict()), staging / WEIGHTS_NAME)
         kv_cache = StaticKVCache(p.spec, nc.batch_size, nc.sequence_length, nc.torch_dtype).kv
         with torch.no_grad():
             times = p.backend.compile(p.decoder, p.graphs, lambda g: example_inputs(p.spec, nc, g, kv_cache),
