@@ -13,7 +13,8 @@
 // dot product summed across its lanes alone; each value row added into sums in memory): 0.73-0.79x the time,
 // SmolLM2's batch-4 shape, Zen 3. A whole block's masked scores as one vector, a cache's back-to-back rows
 // prefetched a line at a time and the softmax's maximum taken lane by lane: SmolLM2's batch-4 token graphs 1.03x
-// (float32) and 1.014x (bfloat16) faster on Zen 5.
+// (float32) and 1.014x (bfloat16) faster on Zen 5. Of the window, only the keys some row sees are read
+// (seen_window).
 //
 // Spliced after rows_matvec.cpp into the same wrapper (inductor_kernels.py), whose helpers it uses.
 
@@ -322,13 +323,51 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void softmax_weights(float* __restrict scores, 
   }
 }
 
+// An additive mask at or below this hides its key: the decoder's masks are 0 or the dtype's lowest (-3.4e38).
+constexpr float kHidden = -1e30f;
+
+// The window's keys [first, last) that some query row sees: every key outside is hidden from every row (left
+// padding; the bucket's slots past the newest token). Where some row sees no key at all, in either part, it
+// averages every key with equal weights, so then the whole window.
+template <typename Element>
+inline void seen_window(const Element* const* masks, const int64_t* const* mask_strides, int64_t b, int64_t rows,
+                        int64_t window, int64_t fresh, int64_t& first, int64_t& last) {
+  first = window, last = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const Element* m = masks[0] + b * mask_strides[0][0] + r * mask_strides[0][2];
+    const int64_t step = mask_strides[0][3];
+    int64_t j = 0;
+    while (j < window && to_float(m[j * step]) <= kHidden) ++j;
+    bool seen = j < window;
+    if (seen) {
+      first = j < first ? j : first;
+      int64_t end = window;
+      while (to_float(m[(end - 1) * step]) <= kHidden) --end;  // stops at j at the latest
+      last = end > last ? end : last;
+    }
+    const Element* n = masks[1] + b * mask_strides[1][0] + r * mask_strides[1][2];
+    for (j = 0; j < fresh && !seen; ++j) seen = to_float(n[j * mask_strides[1][3]]) > kHidden;
+    if (!seen) {
+      first = 0, last = window;
+      return;
+    }
+  }
+  if (first > last) first = last = 0;  // no row sees the window: only the new tokens
+}
+
 // One (sequence b, KV head h): its R query rows over both parts. kv: window keys, window values, new keys, new
 // values; masks: window, new (one per sequence, for every KV head). `buffer`: the thread's scratch.
 template <typename Element>
 OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_strides, const Element* const* kv,
                                              const int64_t* const* kv_strides, const Element* const* masks,
                                              const int64_t* const* mask_strides, int64_t b, int64_t h, int64_t rows,
-                                             int64_t d, const int64_t (&lengths)[2], float* buffer, Element* y) {
+                                             int64_t d, const int64_t (&sizes)[2], float* buffer, Element* y) {
+  // Only the window's keys some row sees are read: a hidden key's weight is exactly 0 (exp_nonpositive of
+  // -3.4e38 and less), and the skipped blocks are memory the step need not wait for. The benchmark's token
+  // graphs read 128-191 of a 192-slot window; default power-of-two buckets leave up to half of one unused.
+  int64_t first, last;
+  seen_window(masks, mask_strides, b, rows, sizes[0], sizes[1], first, last);
+  const int64_t lengths[2] = {last - first, sizes[1]};
   const int64_t length = lengths[0] + lengths[1];
   float* query = buffer;                      // [rows, d]
   float* scores = query + rows * d;           // [rows, length], then the softmax weights
@@ -339,12 +378,14 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
   for (int64_t r = 0; r < rows; ++r)
     row_to_floats(query + r * d, q + b * q_strides[0] + h * q_strides[1] + r * q_strides[2], d, q_strides[3]);
   __builtin_memset(zeros, 0, d * sizeof(float));
-  const Element* own[4];  // this unit's rows of kv[i]
-  for (int i = 0; i < 4; ++i) own[i] = kv[i] + b * kv_strides[i][0] + h * kv_strides[i][1];
+  const Element* own[4];  // this unit's rows of kv[i], the window's from its first seen key
+  for (int i = 0; i < 4; ++i)
+    own[i] = kv[i] + b * kv_strides[i][0] + h * kv_strides[i][1] + (i < 2 ? first * kv_strides[i][2] : 0);
   const int64_t offsets[2] = {0, lengths[0]};  // each part's first column of `scores`
   for (int p = 0; p < 2; ++p) {
     const int64_t* ms = mask_strides[p];
-    part_scores(query, rows, d, own[2 * p], kv_strides[2 * p], masks[p] + b * ms[0], ms, lengths[p],
+    const Element* mask = masks[p] + b * ms[0] + (p == 0 ? first * ms[3] : 0);
+    part_scores(query, rows, d, own[2 * p], kv_strides[2 * p], mask, ms, lengths[p],
                 scores + offsets[p], length, scratch, zeros, own[2 * p + 1], kv_strides[2 * p + 1]);
   }
   softmax_weights(scores, rows, length, length, totals);
