@@ -141,20 +141,16 @@ def save_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     library adds them itself) but no gaps between tensors, so tensors whose size is a whole number of lines go
     first, in name order, and the header is padded so that the data starts on a line. Readers are the
     library's own."""
-    def is_whole_lines(name: str) -> bool:
-        return tensors[name].numel() * tensors[name].element_size() % WEIGHTS_ALIGNMENT == 0
-
     header: dict = {"__metadata__": {"format": "pt"}}
-    offset, order = 0, sorted(tensors, key=lambda name: (not is_whole_lines(name), name))
+    offset, order = 0, sorted(tensors, key=lambda name: (tensors[name].nbytes % WEIGHTS_ALIGNMENT != 0, name))
     for name in order:
         tensor = tensors[name]
         if tensor.dtype not in _SAFETENSORS_DTYPES:
             raise TypeError(f"Cannot save weight {name!r} of dtype {tensor.dtype}: safetensors weights are one of "
                             f"{sorted(str(d) for d in _SAFETENSORS_DTYPES)}.")
-        size = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
+                        "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(8 + len(encoded)) % WEIGHTS_ALIGNMENT)
     with open(path, "wb") as f:
