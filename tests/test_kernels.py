@@ -240,3 +240,25 @@ def test_prefetch_hint_at_several_rows_follows_the_cpu(cpuinfo, identity, locali
     source = shims[torch.ops.optimum_neuronx.rows_matvec.default][0]
     assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {locality}\n" in source
     assert BACKEND.codegen_options()["kernel_tuning"] == {"rows_prefetch_locality": locality}
+
+
+@pytest.mark.parametrize("identity, width", [(("AuthenticAMD", 26), 4096), (("AuthenticAMD", 25), 0), (("", -1), 0)])
+def test_one_row_width_limit_follows_the_cpu(identity, width, monkeypatch):
+    # On Zen 5 a single bfloat16 row wider than 4096 inputs is Inductor's multiply + sum (faster there, see
+    # ONE_ROW_DOT_WIDTH); everywhere else, and in float32, and at several rows, the kernel takes any width.
+    from optimum_neuronx.backends import inductor_kernels
+
+    monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
+    for dtype in DTYPES:
+        if BACKEND.dot_kernel_isa(dtype) != "avx512":
+            continue
+        expected = width if dtype == torch.bfloat16 else 0
+        for batch in (1, 4):
+            lowering = BACKEND.lowering(dtype, batch_size=batch)
+            assert lowering.dot_one_row_width == expected and lowering.describe()["dot_one_row_width"] == expected
+            assert lowering.uses_dot_kernel(1, dtype, 4096) and lowering.uses_dot_kernel(4, dtype, 5632)
+            assert lowering.uses_dot_kernel(1, dtype, 5632) == (expected == 0)
+    limited = Lowering(dot_rows=4, dot_isa="avx2", dot_one_row_width=64)
+    assert limited.uses_dot_kernel(1, torch.float32, 64) and not limited.uses_dot_kernel(1, torch.float32, 65)
+    assert limited.uses_dot_kernel(2, torch.float32, 65) and limited.uses_dot_kernel(1, torch.float32)
+

@@ -4,6 +4,7 @@ import contextlib
 import gc
 from dataclasses import replace
 import weakref
+import zipfile
 
 import pytest
 import torch
@@ -93,19 +94,49 @@ def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, reference_
 
     The yardstick is bf16's own rounding noise: Transformers eager in bf16 vs the fp32 reference.
     """
+    input_ids, attention_mask = (t[1:] for t in left_padded_batch)  # 2 rows: lengths 9 and 14
+    _assert_bf16_logits_within_tolerance(bf16_llama, tiny_checkpoint, reference_model, input_ids, attention_mask)
+
+
+def test_bf16_batch_1_with_wide_rows_through_the_multiply_and_sum(tiny_checkpoint, reference_model,
+                                                                   left_padded_batch, monkeypatch):
+    # Where a CPU's entry in ONE_ROW_DOT_WIDTH says so (Zen 5, bfloat16), a single row wider than it is Inductor's
+    # multiply + sum and narrower ones the dot kernel, in one graph. Here the limit is set below the tiny llama's
+    # down projection (1088 inputs) and above its other projections (64).
+    import json
+
+    from optimum_neuronx.backends import get_backend, inductor, inductor_kernels
+
+    if get_backend("inductor").dot_kernel_isa(torch.bfloat16) != "avx512":
+        pytest.skip("the one-row width limit is for the AVX-512 kernel (avx512_bf16), which this CPU lacks")
+    monkeypatch.setattr(inductor, "ONE_ROW_DOT_WIDTH", {inductor_kernels.cpu_identity(): {torch.bfloat16: 512}})
+    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=1,
+                                                   sequence_length=32, context_buckets=[16], token_buckets=[32],
+                                                   auto_cast_type="bf16", compile_cache=False)
+    stamp = json.loads((model.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
+    assert stamp["lowering"]["dot_one_row_width"] == 512
+    with zipfile.ZipFile(model.artifact_dir / "model.pt2") as package:
+        wrapper = next(package.read(name).decode() for name in package.namelist()
+                       if name.endswith("token_32.wrapper.cpp"))
+    # definition + calls: QKV, O and gate/up in the layer loop, the LM head; not the down projection
+    assert wrapper.count("aoti_torch_cpu_rows_matvec(") == 1 + 4
+    input_ids, attention_mask = (t[2:] for t in left_padded_batch)  # the 14-token row
+    _assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask)
+
+
+def _assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask):
     from transformers import AutoModelForCausalLM
 
     eager_bf16 = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.bfloat16).eval()
-    input_ids, attention_mask = (t[1:] for t in left_padded_batch)  # 2 rows: lengths 9 and 14
-    continuation = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(3))
+    continuation = torch.randint(3, 256, (input_ids.shape[0], 10), generator=torch.Generator().manual_seed(3))
     full_ids = torch.cat([input_ids, continuation], 1)
     full_mask = torch.cat([attention_mask, torch.ones_like(continuation)], 1)
     positions = slice(input_ids.shape[1] - 1, None)
     with torch.no_grad():
         fp32 = reference_model("llama")(input_ids=full_ids, attention_mask=full_mask).logits[:, positions]
         eager = eager_bf16(input_ids=full_ids, attention_mask=full_mask).logits[:, positions].float()
-    first = bf16_llama(input_ids=input_ids, attention_mask=attention_mask)
-    steps = bf16_llama(continuation, attention_mask=full_mask, past_key_values=first.past_key_values, logits_to_keep=0)
+    first = model(input_ids=input_ids, attention_mask=attention_mask)
+    steps = model(continuation, attention_mask=full_mask, past_key_values=first.past_key_values, logits_to_keep=0)
     ours = torch.cat([first.logits, steps.logits], 1)
     ours_error = (ours - fp32).abs().max().item()
     eager_error = (eager - fp32).abs().max().item()

@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..modeling.decoder import Lowering
+from . import inductor_kernels
 from .base import Backend, CompiledGraph, GraphSpec
 from .inductor_build import objects_compiled_together
 from .inductor_codegen import codegen_options, decode_codegen, inductor_options
@@ -46,6 +47,14 @@ DOT_KERNEL_ROWS = 4
 # 0.92-1.04x; with whole input rows, the 1.1B shape's batch 1 steps took 1.04x (fp32) and 1.08x (bf16) the time),
 # so batch 1 keeps the multiply + sum there (docs/performance.md).
 DOT_KERNEL_MIN_BATCH = {"avx512": 1, "avx2": 2}
+# At one row, the widest input (elements) the kernel takes per CPU (vendor, family) and dtype where measured; wider
+# rows go through Inductor's multiply + sum. Zen 5 (AMD family 26), bfloat16: the 1.1B shape's down projection
+# (5632 inputs) that way made its batch-1 token graph 1.06-1.17x faster in fast memory phases and 1.00-1.05x in slow
+# ones (both load orders); all its projections that way, no faster than the down projection alone; SmolLM2 (at most
+# 1536 inputs) 1.00-1.03x slower all that way; float32 (the 1.1B shape, all that way) unchanged. In a C harness the
+# kernel's one-row stream slows as x widens past 4096 (the streamed weights evict x from L1: with x confined to
+# 2 KiB, 8192 inputs streamed as fast as 2048). docs/performance.md.
+ONE_ROW_DOT_WIDTH = {("AuthenticAMD", 26): {torch.bfloat16: 4096}}
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
 
@@ -109,7 +118,9 @@ class InductorBackend(Backend):
         dot_rows = DOT_KERNEL_ROWS if isa and batch_size >= DOT_KERNEL_MIN_BATCH[isa] else 0
         attention_kernel = bool(isa)
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
-        return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "", matvec_rows=4,
+        widths = ONE_ROW_DOT_WIDTH.get(inductor_kernels.cpu_identity(), {}) if isa == "avx512" else {}
+        return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "",
+                        dot_one_row_width=widths.get(dtype, 0) if dot_rows else 0, matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
                         attention_kernel=attention_kernel, causal_block=128)
 
