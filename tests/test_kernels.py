@@ -261,4 +261,3 @@ def test_one_row_width_limit_follows_the_cpu(identity, width, monkeypatch):
     limited = Lowering(dot_rows=4, dot_isa="avx2", dot_one_row_width=64)
     assert limited.uses_dot_kernel(1, torch.float32, 64) and not limited.uses_dot_kernel(1, torch.float32, 65)
     assert limited.uses_dot_kernel(2, torch.float32, 65) and limited.uses_dot_kernel(1, torch.float32)
-
