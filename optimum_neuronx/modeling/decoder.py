@@ -75,8 +75,8 @@ class Lowering:
     """How the decoder's projections and decode attention are computed; chosen by the backend for each export.
 
     dot_rows: bfloat16 or float32 projections over at most `dot_rows` rows are `rows_matvec` (ops.py), for which
-        the backend compiles its own kernel (`uses_dot_kernel`), of any input width: the kernel cuts wide input
-        rows into pieces that stay in cache.
+        the backend compiles its own kernel (`uses_dot_kernel`), of any input width (but see dot_one_row_width):
+        the kernel cuts wide input rows into pieces that stay in cache.
     dot_isa: the instruction set that kernel is compiled for (the backend's name, e.g. "avx512"; "" without it).
     dot_one_row_width: when > 0, a single row wider than this many inputs is not `rows_matvec` but the multiply +
         sum below (the backend measured that loop faster there; `uses_dot_kernel`).
