@@ -351,15 +351,26 @@ def failure_line(stderr: str) -> str:
 class BandwidthProbe:
     """GB/s over a matrix far beyond caches: a BLAS matrix-vector product, a plain copy, and the compiled
     multiply + sum and dot-product kernel our decode graphs use; each `sample()` is the best of `repeats` runs
-    of each (a neighbour on a shared host only ever slows a run down)."""
+    of each (a neighbour on a shared host only ever slows a run down). The matrices sit in huge pages where our
+    exports' weights do (optimum_neuronx/huge_pages.py): 4 KiB pages streamed ~20% slower in fast memory phases,
+    and a bound from them would understate what the memory gives."""
 
     def __init__(self, dtype: torch.dtype, megabytes: int = 1024):
         cols = 4096
-        self.weight = torch.randn(megabytes * 2**20 // (cols * dtype.itemsize), cols).to(dtype)
+        shape = (megabytes * 2**20 // (cols * dtype.itemsize), cols)
+        self.weight = self._matrix(shape, dtype).copy_(torch.randn(shape))
         self.x = torch.randn(1, cols).to(dtype)
-        self.dst = torch.empty_like(self.weight)
+        self.dst = self._matrix(shape, dtype)
         self.reduction = self._decode_reduction()
         self.dot_kernel = self._dot_kernel()
+
+    @staticmethod
+    def _matrix(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        from optimum_neuronx.huge_pages import huge_page_buffer, huge_pages_available
+
+        if not huge_pages_available():
+            return torch.empty(shape, dtype=dtype)
+        return huge_page_buffer(shape[0] * shape[1] * dtype.itemsize).view(dtype).view(shape)
 
     def _decode_reduction(self):
         """The multiply + sum compiled the way our decode graphs' projections are (software prefetch of the rows

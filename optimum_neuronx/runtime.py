@@ -46,6 +46,21 @@ def _warn_ignored(method: str, kwargs: dict) -> None:
         logger.warning("%s: %s ignored (they do not apply to a compiled export).", method, ", ".join(sorted(kwargs)))
 
 
+def _use_huge_pages(asked: Optional[bool], backend) -> bool:
+    """Whether to load weights in huge pages: as asked, else where the backend streams them from host memory and
+    the kernel has transparent huge pages."""
+    from .huge_pages import THP_SETTING, huge_pages_available, transparent_huge_pages
+
+    if asked is None:
+        return backend.streams_host_weights and huge_pages_available()
+    if asked and not huge_pages_available():
+        mode = transparent_huge_pages()
+        raise ValueError(f"huge_pages=True needs Linux transparent huge pages, but {THP_SETTING} "
+                         f"{'says ' + repr(mode) if mode else 'cannot be read'}. Pass huge_pages=False (the weights "
+                         f"are then memory-mapped), or enable them (echo madvise > {THP_SETTING}).")
+    return bool(asked)
+
+
 # from_pretrained keyword -> NeuronConfig field.
 NEURON_KWARGS = {
     "batch_size": "batch_size",
@@ -120,7 +135,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
     def from_pretrained(cls, model_id: str | Path, *, export: bool = False,
                         neuron_config: Optional[NeuronConfig] = None, compile_cache: bool = True,
                         compile_cache_dir: Optional[str | Path] = None, compile_cache_repo: Optional[str] = None,
-                        **kwargs) -> "NeuronModelForCausalLM":
+                        huge_pages: Optional[bool] = None, **kwargs) -> "NeuronModelForCausalLM":
         """Load an exported directory (or Hub repo), or with `export=True` compile a Transformers checkpoint.
 
         Export keywords: batch_size, sequence_length, num_cores (tp_degree), auto_cast_type, context_buckets,
@@ -128,6 +143,11 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         cache (`compile_cache_dir`, default $OPTIMUM_NEURONX_CACHE or inside HF_HOME; `compile_cache_repo`, default
         $OPTIMUM_NEURONX_CACHE_REPO, a Hub repo shared as a remote cache) unless `compile_cache=False`. Other
         keywords go to Transformers' loaders (revision, token, ...).
+
+        `huge_pages`: read the weights into memory in 2 MiB pages (Linux transparent huge pages), which decode
+        streams faster than the 4 KiB pages a memory-mapped file may sit in; the default where the backend reads
+        weights from host memory and the kernel has them. False maps the file instead: instant loads, and processes
+        serving the same export share one copy in the page cache.
         """
         for name in ("dtype", "torch_dtype"):
             if kwargs.get(name) is not None:
@@ -146,12 +166,12 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             out_dir = Path(tmpdir.name) / "model"
             cache = CompileCache(compile_cache_dir, compile_cache_repo, kwargs.get("token")) if compile_cache else None
             run_export(str(model_id), out_dir, neuron_config, hf_kwargs=kwargs, cache=cache)
-            return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True)
+            return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True, huge_pages=huge_pages)
         from .hub import DOWNLOAD_KWARGS
 
         _warn_ignored("from_pretrained", {k: v for k, v in kwargs.items() if k not in DOWNLOAD_KWARGS})
         artifact_dir = _resolve_artifact_dir(model_id, kwargs)
-        model = cls._from_artifact(artifact_dir)
+        model = cls._from_artifact(artifact_dir, huge_pages=huge_pages)
         requested = dict(neuron_kwargs, **(neuron_config.to_dict() if neuron_config else {}))
         compiled = model.neuron_config.to_dict()
         differing = {k: v for k, v in NeuronConfig(**{**compiled, **requested}).to_dict().items() if compiled[k] != v}
@@ -164,13 +184,15 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         return model
 
     @classmethod
-    def _from_artifact(cls, artifact_dir: Path, tmpdir=None, compiled: bool = False) -> "NeuronModelForCausalLM":
+    def _from_artifact(cls, artifact_dir: Path, tmpdir=None, compiled: bool = False,
+                       huge_pages: Optional[bool] = None) -> "NeuronModelForCausalLM":
         start = time.perf_counter()
         neuron_config, meta = read_artifact(artifact_dir)
         config = AutoConfig.from_pretrained(artifact_dir)
-        weights = load_weights(artifact_dir, meta)
+        backend = get_backend(neuron_config.backend)
+        weights = load_weights(artifact_dir, meta, huge_pages=_use_huge_pages(huge_pages, backend))
         graph_specs = [GraphSpec(**g) for g in meta["graphs"]]
-        graphs = get_backend(neuron_config.backend).load(artifact_dir, graph_specs, weights)
+        graphs = backend.load(artifact_dir, graph_specs, weights)
         generation_config = None
         if (Path(artifact_dir) / "generation_config.json").is_file():
             generation_config = GenerationConfig.from_pretrained(artifact_dir)

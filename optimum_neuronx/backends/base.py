@@ -33,6 +33,9 @@ class Backend(ABC):
     name: str
     # True when graphs run on NeuronCores, whose per-core memory bounds the model (see memory.py).
     targets_neuron_cores: bool = False
+    # True when graphs read the weights from host memory at every decode step: loading puts them in huge pages
+    # there by default (huge_pages.py).
+    streams_host_weights: bool = False
 
     def lowering(self, dtype: torch.dtype, batch_size: int) -> Lowering:
         """How the decoder computes its projections for weights of `dtype` (see modeling/decoder.py)."""

@@ -86,6 +86,7 @@ def parse_compiler_args(compiler_args: Sequence[str]) -> dict:
 
 class InductorBackend(Backend):
     name = "inductor"
+    streams_host_weights = True
 
     def check_toolchain(self) -> None:
         if shutil.which("g++") is None and shutil.which("c++") is None and shutil.which("clang++") is None:

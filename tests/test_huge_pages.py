@@ -1,0 +1,79 @@
+"""Weights read into memory in huge pages (optimum_neuronx/huge_pages.py) instead of memory-mapped."""
+
+import mmap
+
+import pytest
+import torch
+
+from optimum_neuronx import NeuronModelForCausalLM
+from optimum_neuronx import huge_pages as huge_pages_module
+from optimum_neuronx.artifacts import ArtifactError, _read_into_huge_pages, load_weights, read_artifact, save_weights
+from optimum_neuronx.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer, transparent_huge_pages
+
+linux_only = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="MADV_HUGEPAGE is Linux's")
+
+
+@pytest.mark.parametrize("text, mode", [("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+                                        ("always madvise [never]\n", "never"), ("", "")])
+def test_transparent_huge_page_mode_is_read_from_the_kernel_setting(tmp_path, text, mode):
+    setting = tmp_path / "enabled"
+    setting.write_text(text)
+    assert transparent_huge_pages(setting) == mode
+    assert transparent_huge_pages(tmp_path / "absent") == ""
+
+
+@linux_only
+def test_buffer_starts_on_a_huge_page_and_is_zeroed():
+    buffer = huge_page_buffer(3 * HUGE_PAGE_BYTES + 5)
+    assert buffer.numel() == 3 * HUGE_PAGE_BYTES + 5 and buffer.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert not buffer.any()
+
+
+@linux_only
+def test_weights_in_huge_pages_equal_the_mapped_ones(saved_tiny_llama):
+    _, meta = read_artifact(saved_tiny_llama)
+    mapped = load_weights(saved_tiny_llama, meta)
+    read = load_weights(saved_tiny_llama, meta, huge_pages=True)
+    assert read.keys() == mapped.keys()
+    for name, weight in mapped.items():
+        assert read[name].dtype == weight.dtype and read[name].shape == weight.shape, name
+        assert torch.equal(read[name], weight), name
+        assert read[name].data_ptr() % 64 == 0, name  # one buffer, every weight on a cache line
+    assert min(w.data_ptr() for w in read.values()) % HUGE_PAGE_BYTES == 0
+
+
+@linux_only
+def test_generation_is_the_same_from_huge_pages(saved_tiny_llama, left_padded_batch, monkeypatch):
+    monkeypatch.setattr(huge_pages_module, "transparent_huge_pages", lambda *_: "madvise")
+    input_ids, attention_mask = left_padded_batch
+    outputs = []
+    for huge_pages in (False, True):
+        model = NeuronModelForCausalLM.from_pretrained(saved_tiny_llama, huge_pages=huge_pages)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        outputs.append(out)
+    assert torch.equal(outputs[0].sequences, outputs[1].sequences)
+    for mapped, read in zip(outputs[0].scores, outputs[1].scores):
+        assert torch.equal(mapped, read)
+
+
+def test_huge_pages_where_the_kernel_has_none(saved_tiny_llama, monkeypatch):
+    monkeypatch.setattr(huge_pages_module, "transparent_huge_pages", lambda *_: "never")
+    with pytest.raises(ValueError, match=r"huge_pages=True needs Linux transparent huge pages, but .* says 'never'.*"
+                                         r"Pass huge_pages=False"):
+        NeuronModelForCausalLM.from_pretrained(saved_tiny_llama, huge_pages=True)
+    loaded = []
+    monkeypatch.setattr("optimum_neuronx.runtime.load_weights",
+                        lambda directory, meta, huge_pages: loaded.append(huge_pages) or load_weights(directory, meta))
+    NeuronModelForCausalLM.from_pretrained(saved_tiny_llama)  # the default: memory-mapped, no error
+    assert loaded == [False]
+
+
+@linux_only
+def test_weights_beyond_the_end_of_the_file_are_refused(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_weights({"a": torch.ones(64, 64), "b": torch.ones(8)}, path)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 16)
+    with pytest.raises(ArtifactError, match=r"weight 'b' \(F32, bytes 16384-16416\) is not readable from a file of"):
+        _read_into_huge_pages(str(path), exclude=set())
