@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +25,8 @@ from .backends import get_backend
 from .backends.base import GraphSpec
 from .configuration import NEURON_CONFIG_NAME, NeuronConfig
 from .version import ARTIFACT_FORMAT_VERSION, __version__
+
+logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -172,9 +175,8 @@ def load_weights(directory: str | Path, meta: dict, huge_pages: bool = False) ->
     path = str(Path(directory) / WEIGHTS_NAME)
     compiler = meta["versions"]["compiler"]
     packable = set(compiler.get("packable_weights", ()))
-    if huge_pages:
-        weights = _read_into_huge_pages(path, exclude=packable)
-    else:
+    weights = _read_into_huge_pages(path, exclude=packable) if huge_pages else None
+    if weights is None:
         with safe_open(path, framework="pt") as f:
             weights = {name: f.get_tensor(name) for name in f.keys() if name not in packable}
     if packable:
@@ -186,13 +188,20 @@ def load_weights(directory: str | Path, meta: dict, huge_pages: bool = False) ->
     return weights
 
 
-def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
+# Below this share of huge pages the read copy is dropped for the mapped file, whose page cache may hold more.
+MIN_HUGE_PAGE_SHARE = 0.95
+
+
+def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) -> dict[str, torch.Tensor] | None:
     """The tensors of the safetensors file at `path` but `exclude`, read into one huge_page_buffer, each starting
-    on a WEIGHTS_ALIGNMENT boundary. Chunks of `chunk_bytes` are read by a few threads: the copy out of the page
-    cache and the kernel's zeroing of fresh pages take one core each (4.2 GB in ~0.3 s on 2 cores, cached)."""
+    on a WEIGHTS_ALIGNMENT boundary; None when the kernel gave fewer than MIN_HUGE_PAGE_SHARE of its pages as huge
+    pages even after a collapse (memory full of page cache and fragmented: 880 MiB of 2.1 GB on this host with a
+    second copy loaded): 4 KiB pages there would stream slower than a mapping. Chunks of `chunk_bytes` are read
+    by a few threads: the copy out of the page cache and the kernel's zeroing of fresh pages take one core each
+    (4.2 GB in ~0.3 s on 2 cores, cached)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .huge_pages import huge_page_buffer
+    from .huge_pages import collapse, huge_page_buffer, huge_page_share
 
     with open(path, "rb") as f:
         header_bytes = int.from_bytes(f.read(8), "little")
@@ -230,6 +239,14 @@ def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) 
             list(pool.map(read, chunks))
     finally:
         os.close(descriptor)
+    share = huge_page_share(buffer)
+    if share < MIN_HUGE_PAGE_SHARE:
+        collapse(buffer)
+        share = huge_page_share(buffer)
+    if share < MIN_HUGE_PAGE_SHARE:
+        logger.info("Only %.0f%% of %s's weights got huge pages (fragmented memory): mapping the file instead.",
+                    100 * share, path)
+        return None
     return {name: buffer[start:start + count].view(dtypes[header[name]["dtype"]]).view(header[name]["shape"])
             for name, (_, count, start) in layout.items()}
 

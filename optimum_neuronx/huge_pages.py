@@ -9,6 +9,7 @@ float32 token graph ran 1.07-1.18x faster in fast phases (docs/performance.md, "
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 HUGE_PAGE_BYTES = 2 << 20
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+MADV_COLLAPSE = 25  # Linux >= 6.1; Python 3.11's mmap module has no name for it
 
 
 def transparent_huge_pages(setting: str | Path = THP_SETTING) -> str:
@@ -42,3 +44,36 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE_BYTES
     return whole[start:start + nbytes]
+
+
+def collapse(buffer: torch.Tensor) -> None:
+    """Ask the kernel to move `buffer`'s 4 KiB pages into huge pages now (MADV_COLLAPSE: it reclaims and compacts
+    memory for them, where a page fault gives up and takes 4 KiB pages). Best effort: an older kernel refuses the
+    advice, a fragmented memory leaves some pages small."""
+    start = buffer.data_ptr() // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    end = -(-(buffer.data_ptr() + buffer.numel()) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(start, end - start, MADV_COLLAPSE)
+
+
+def huge_page_share(buffer: torch.Tensor, smaps: str | Path = "/proc/self/smaps") -> float:
+    """The share of `buffer`'s whole 2 MiB pages that sit in huge pages (AnonHugePages of its mapping in smaps);
+    1.0 for a buffer smaller than one huge page, 0.0 where smaps cannot be read."""
+    begin, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    whole = (end // HUGE_PAGE_BYTES - -(-begin // HUGE_PAGE_BYTES)) * HUGE_PAGE_BYTES
+    if whole <= 0:
+        return 1.0
+    huge, inside = 0, False
+    try:
+        lines = Path(smaps).read_text().splitlines()
+    except OSError:
+        return 0.0
+    for line in lines:
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line: start-end ...
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            inside = low < end and begin < high
+        elif inside and fields[0] == "AnonHugePages:":
+            huge += int(fields[1]) * 1024
+    return min(1.0, huge / whole)

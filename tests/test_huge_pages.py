@@ -1,5 +1,6 @@
 """Weights read into memory in huge pages (optimum_neuronx/huge_pages.py) instead of memory-mapped."""
 
+import logging
 import mmap
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx import huge_pages as huge_pages_module
 from optimum_neuronx.artifacts import ArtifactError, _read_into_huge_pages, load_weights, read_artifact, save_weights
-from optimum_neuronx.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer, transparent_huge_pages
+from optimum_neuronx.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer, huge_page_share, transparent_huge_pages
 
 linux_only = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="MADV_HUGEPAGE is Linux's")
 
@@ -30,6 +31,22 @@ def test_buffer_starts_on_a_huge_page_and_is_zeroed():
 
 
 @linux_only
+def test_huge_page_share_is_read_from_the_buffers_mapping(tmp_path):
+    buffer = huge_page_buffer(4 * HUGE_PAGE_BYTES)
+    low, high = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+
+    def share(huge_kib: int) -> float:
+        smaps = tmp_path / "smaps"
+        smaps.write_text(f"1000-2000 r-xp 00000000 fe:00 1 /usr/bin/python\nAnonHugePages:    4096 kB\n"
+                         f"{low:x}-{high:x} rw-p 00000000 00:00 0\nSize:   8192 kB\nAnonHugePages: {huge_kib} kB\n")
+        return huge_page_share(buffer, smaps)
+
+    assert share(8192) == 1.0 and share(4096) == 0.5 and share(0) == 0.0
+    assert huge_page_share(buffer[:4096], tmp_path / "absent") == 1.0  # less than a huge page: nothing to lose
+    assert huge_page_share(buffer, tmp_path / "absent") == 0.0
+
+
+@linux_only
 def test_weights_in_huge_pages_equal_the_mapped_ones(saved_tiny_llama):
     _, meta = read_artifact(saved_tiny_llama)
     mapped = load_weights(saved_tiny_llama, meta)
@@ -40,6 +57,20 @@ def test_weights_in_huge_pages_equal_the_mapped_ones(saved_tiny_llama):
         assert torch.equal(read[name], weight), name
         assert read[name].data_ptr() % 64 == 0, name  # one buffer, every weight on a cache line
     assert min(w.data_ptr() for w in read.values()) % HUGE_PAGE_BYTES == 0
+
+
+@linux_only
+def test_too_few_huge_pages_fall_back_to_the_mapped_file(saved_tiny_llama, monkeypatch, caplog):
+    collapsed = []
+    monkeypatch.setattr(huge_pages_module, "huge_page_share", lambda buffer: 0.5)
+    monkeypatch.setattr(huge_pages_module, "collapse", collapsed.append)
+    _, meta = read_artifact(saved_tiny_llama)
+    with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
+        weights = load_weights(saved_tiny_llama, meta, huge_pages=True)
+    assert len(collapsed) == 1  # asked once for huge pages before giving up
+    assert "Only 50% of" in caplog.text and "mapping the file instead" in caplog.text
+    mapped = load_weights(saved_tiny_llama, meta)
+    assert all(torch.equal(weights[name], weight) for name, weight in mapped.items())
 
 
 @linux_only
