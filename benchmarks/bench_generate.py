@@ -358,19 +358,23 @@ class BandwidthProbe:
     def __init__(self, dtype: torch.dtype, megabytes: int = 1024):
         cols = 4096
         shape = (megabytes * 2**20 // (cols * dtype.itemsize), cols)
-        self.weight = self._matrix(shape, dtype).copy_(torch.randn(shape))
+        self.weight = self._matrix(shape, dtype, torch.randn(shape))
         self.x = torch.randn(1, cols).to(dtype)
-        self.dst = self._matrix(shape, dtype)
+        self.dst = self._matrix(shape, dtype, torch.zeros(()))
         self.reduction = self._decode_reduction()
         self.dot_kernel = self._dot_kernel()
 
     @staticmethod
-    def _matrix(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        from optimum_neuronx.huge_pages import huge_page_buffer, huge_pages_available
+    def _matrix(shape: tuple, dtype: torch.dtype, values: torch.Tensor) -> torch.Tensor:
+        """`values` (broadcast) in a matrix of huge pages, collapsed into them as the weights' loader does."""
+        from optimum_neuronx.huge_pages import collapse, huge_page_buffer, huge_pages_available
 
         if not huge_pages_available():
-            return torch.empty(shape, dtype=dtype)
-        return huge_page_buffer(shape[0] * shape[1] * dtype.itemsize).view(dtype).view(shape)
+            return torch.empty(shape, dtype=dtype).copy_(values)
+        buffer = huge_page_buffer(shape[0] * shape[1] * dtype.itemsize)
+        matrix = buffer.view(dtype).view(shape).copy_(values)
+        collapse(buffer)
+        return matrix
 
     def _decode_reduction(self):
         """The multiply + sum compiled the way our decode graphs' projections are (software prefetch of the rows
