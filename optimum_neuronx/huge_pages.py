@@ -1,10 +1,10 @@
 """Host memory in 2 MiB pages (Linux transparent huge pages) for the weights that decode streams.
 
 A memory-mapped export lives in the page cache, whose folios have whatever sizes the writes and the read-ahead
-left: on the machine measured (Zen 5, ext4) 10-20% of a 4 GB export sat in 4 KiB pages, and a matrix-vector
+left: on the machine measured (Zen 5, ext4) 12-20% of a 4 GB export sat in 4 KiB pages, and a matrix-vector
 product over 4 KiB pages streamed ~20% slower in a fast memory phase than over 2 MiB pages. Weights read into
 anonymous memory advised MADV_HUGEPAGE land in 2 MiB pages wherever the kernel allows them, and the 1.1B shape's
-float32 token graph ran 1.07-1.18x faster in fast phases (docs/performance.md, "Weights in huge pages").
+float32 token graph ran 1.05-1.12x faster in fast phases (docs/performance.md, "Weights in huge pages").
 """
 
 from __future__ import annotations
@@ -74,6 +74,6 @@ def huge_page_share(buffer: torch.Tensor, smaps: str | Path = "/proc/self/smaps"
         if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line: start-end ...
             low, high = (int(bound, 16) for bound in fields[0].split("-"))
             inside = low < end and begin < high
-        elif inside and fields[0] == "AnonHugePages:":
+        elif inside and fields and fields[0] == "AnonHugePages:":
             huge += int(fields[1]) * 1024
     return min(1.0, huge / whole)

@@ -38,7 +38,7 @@ def test_huge_page_share_is_read_from_the_buffers_mapping(tmp_path):
     def share(huge_kib: int) -> float:
         smaps = tmp_path / "smaps"
         smaps.write_text(f"1000-2000 r-xp 00000000 fe:00 1 /usr/bin/python\nAnonHugePages:    4096 kB\n"
-                         f"{low:x}-{high:x} rw-p 00000000 00:00 0\nSize:   8192 kB\nAnonHugePages: {huge_kib} kB\n")
+                         f"{low:x}-{high:x} rw-p 00000000 00:00 0\nSize:   8192 kB\n\nAnonHugePages: {huge_kib} kB\n")
         return huge_page_share(buffer, smaps)
 
     assert share(8192) == 1.0 and share(4096) == 0.5 and share(0) == 0.0
