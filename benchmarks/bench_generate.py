@@ -367,13 +367,14 @@ class BandwidthProbe:
     @staticmethod
     def _matrix(shape: tuple, dtype: torch.dtype, values: torch.Tensor) -> torch.Tensor:
         """`values` (broadcast) in a matrix of huge pages, collapsed into them as the weights' loader does."""
-        from optimum_neuronx.huge_pages import collapse, huge_page_buffer, huge_pages_available
+        from optimum_neuronx.artifacts import MIN_HUGE_PAGE_SHARE
+        from optimum_neuronx.huge_pages import huge_page_buffer, huge_pages_available, settle
 
         if not huge_pages_available():
             return torch.empty(shape, dtype=dtype).copy_(values)
         buffer = huge_page_buffer(shape[0] * shape[1] * dtype.itemsize)
         matrix = buffer.view(dtype).view(shape).copy_(values)
-        collapse(buffer)
+        settle(buffer, MIN_HUGE_PAGE_SHARE)
         return matrix
 
     def _decode_reduction(self):

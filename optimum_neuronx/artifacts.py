@@ -202,7 +202,7 @@ def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) 
     (4.2 GB in ~0.3 s on 2 cores, cached)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .huge_pages import collapse, huge_page_buffer, huge_page_share
+    from .huge_pages import huge_page_buffer, settle
 
     with open(path, "rb") as f:
         header_bytes = int.from_bytes(f.read(8), "little")
@@ -240,10 +240,7 @@ def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) 
             list(pool.map(read, chunks))
     finally:
         os.close(descriptor)
-    share = huge_page_share(buffer)
-    if share < MIN_HUGE_PAGE_SHARE:
-        collapse(buffer)
-        share = huge_page_share(buffer)
+    share = settle(buffer, MIN_HUGE_PAGE_SHARE)
     if share < MIN_HUGE_PAGE_SHARE:
         logger.info("Only %.0f%% of %s's weights got huge pages (fragmented memory): mapping the file instead.",
                     100 * share, path)

@@ -57,6 +57,15 @@ def collapse(buffer: torch.Tensor) -> None:
     libc.madvise(start, end - start, MADV_COLLAPSE)
 
 
+def settle(buffer: torch.Tensor, enough: float) -> float:
+    """`buffer`'s share of huge pages (huge_page_share) once written, after a collapse where it is below `enough`."""
+    share = huge_page_share(buffer)
+    if share < enough:
+        collapse(buffer)
+        share = huge_page_share(buffer)
+    return share
+
+
 def huge_page_share(buffer: torch.Tensor, smaps: str | Path = "/proc/self/smaps") -> float:
     """The share of `buffer`'s whole 2 MiB pages that sit in huge pages (AnonHugePages of its mapping in smaps);
     1.0 for a buffer smaller than one huge page, 0.0 where smaps cannot be read."""
