@@ -220,6 +220,7 @@ def run_system(job: dict) -> dict:
             result["reload_s"] = time.perf_counter() - start
             stamp = json.loads((export_dir / "neuron_config.json").read_text())
             result["compile_s_per_graph"] = stamp["compile_time_s"]
+            result["weights_huge_page_share"] = weights_huge_page_share(model)
         else:
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).eval()
             if system == "transformers static+compile":
@@ -235,6 +236,16 @@ def run_system(job: dict) -> dict:
     except Exception as err:  # record, don't hide, a system that does not work here
         result = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
     return result
+
+
+def weights_huge_page_share(model) -> float:
+    """The share of the span of our model's loaded weights in 2 MiB pages: the loader reads them into huge pages
+    and falls back to the file's mapping (whose page cache has some) when memory is too fragmented for them, which
+    slows decode (optimum_neuronx/huge_pages.py)."""
+    from optimum_neuronx.huge_pages import huge_page_share_between
+
+    weights = [w for w in model._weights.values() if w.numel()]
+    return huge_page_share_between(min(w.data_ptr() for w in weights), max(w.data_ptr() + w.nbytes for w in weights))
 
 
 def static_cache_compile_config():
@@ -367,14 +378,14 @@ class BandwidthProbe:
     @staticmethod
     def _matrix(shape: tuple, dtype: torch.dtype, values: torch.Tensor) -> torch.Tensor:
         """`values` (broadcast) in a matrix of huge pages, collapsed into them as the weights' loader does."""
-        from optimum_neuronx.artifacts import MIN_HUGE_PAGE_SHARE
+        from optimum_neuronx.artifacts import HUGE_PAGE_TARGET
         from optimum_neuronx.huge_pages import huge_page_buffer, huge_pages_available, settle
 
         if not huge_pages_available():
             return torch.empty(shape, dtype=dtype).copy_(values)
         buffer = huge_page_buffer(shape[0] * shape[1] * dtype.itemsize)
         matrix = buffer.view(dtype).view(shape).copy_(values)
-        settle(buffer, MIN_HUGE_PAGE_SHARE)
+        settle(buffer, HUGE_PAGE_TARGET)
         return matrix
 
     def _decode_reduction(self):
@@ -577,7 +588,7 @@ def main():
     for r in rows:  # one export per (model, dtype, batch size)
         if "compile_s_per_graph" in r:
             print(f"{r['model']} {r['dtype']} batch {r['batch_size']}: compile s/graph {r['compile_s_per_graph']}, "
-                  f"reload {r['reload_s']:.2f} s")
+                  f"reload {r['reload_s']:.2f} s, weights in huge pages {100 * r['weights_huge_page_share']:.0f}%")
 
 
 if __name__ == "__main__":

@@ -188,7 +188,11 @@ def load_weights(directory: str | Path, meta: dict, huge_pages: bool = False) ->
     return weights
 
 
-# Below this share of huge pages the read copy is dropped for the mapped file, whose page cache may hold more (the
+# Below this share of huge pages the loader asks the kernel for more: a collapse, then, where memory is short, the
+# file's page cache given back first (its folios are the free 2 MiB blocks the collapse needs). A 1.1B fp32 load
+# next to another copy and a full page cache got 93% and ran its small pages ~20% slower (docs/performance.md).
+HUGE_PAGE_TARGET = 0.98
+# Below this share after that the read copy is dropped for the mapped file, whose page cache may hold more (the
 # 1.1B fp32 export's mapping here: 85-89% huge after a while, all of it just after the export was written).
 MIN_HUGE_PAGE_SHARE = 0.9
 
@@ -196,8 +200,9 @@ MIN_HUGE_PAGE_SHARE = 0.9
 def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) -> dict[str, torch.Tensor] | None:
     """The tensors of the safetensors file at `path` but `exclude`, read into one huge_page_buffer, each starting
     on a WEIGHTS_ALIGNMENT boundary; None when the kernel gave fewer than MIN_HUGE_PAGE_SHARE of its pages as huge
-    pages even after a collapse (memory full of page cache and fragmented: 880 MiB of 2.1 GB on this host with a
-    second copy loaded): 4 KiB pages there would stream slower than a mapping. Chunks of `chunk_bytes` are read
+    pages even after a collapse, and another with the file's page cache dropped (memory full and fragmented: 880
+    MiB of 2.1 GB on this host with a second copy loaded, before the drop): 4 KiB pages there would stream slower
+    than a mapping. Chunks of `chunk_bytes` are read
     by a few threads: the copy out of the page cache and the kernel's zeroing of fresh pages take one core each
     (4.2 GB in ~0.3 s on 2 cores, cached)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -240,13 +245,23 @@ def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) 
             list(pool.map(read, chunks))
     finally:
         os.close(descriptor)
-    share = settle(buffer, MIN_HUGE_PAGE_SHARE)
+    share = settle(buffer, HUGE_PAGE_TARGET, make_room=lambda: _drop_cached(path))
     if share < MIN_HUGE_PAGE_SHARE:
         logger.info("Only %.0f%% of %s's weights got huge pages (fragmented memory): mapping the file instead.",
                     100 * share, path)
         return None
     return {name: buffer[start:start + count].view(dtypes[header[name]["dtype"]]).view(header[name]["shape"])
             for name, (_, count, start) in layout.items()}
+
+
+def _drop_cached(path: str) -> None:
+    """Ask the kernel to drop `path`'s clean, unmapped pages from the page cache (a later load reads it from disk)."""
+    if hasattr(os, "posix_fadvise"):  # not on macOS or Windows
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
 
 
 @contextlib.contextmanager

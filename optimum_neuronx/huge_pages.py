@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -57,19 +58,32 @@ def collapse(buffer: torch.Tensor) -> None:
     libc.madvise(start, end - start, MADV_COLLAPSE)
 
 
-def settle(buffer: torch.Tensor, enough: float) -> float:
-    """`buffer`'s share of huge pages (huge_page_share) once written, after a collapse where it is below `enough`."""
+def settle(buffer: torch.Tensor, enough: float, make_room: Optional[Callable[[], None]] = None) -> float:
+    """`buffer`'s share of huge pages (huge_page_share) once written. Below `enough`: after a collapse, and where
+    still below, after `make_room()` (memory the caller can give back) and another collapse."""
     share = huge_page_share(buffer)
-    if share < enough:
+    for before in (None, make_room):
+        if share >= enough:
+            break
+        if before is not None:
+            before()
         collapse(buffer)
         share = huge_page_share(buffer)
+        if make_room is None:
+            break
     return share
 
 
 def huge_page_share(buffer: torch.Tensor, smaps: str | Path = "/proc/self/smaps") -> float:
-    """The share of `buffer`'s whole 2 MiB pages that sit in huge pages (AnonHugePages of its mapping in smaps);
-    1.0 for a buffer smaller than one huge page, 0.0 where smaps cannot be read."""
-    begin, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    """The share of `buffer`'s whole 2 MiB pages that sit in huge pages (huge_page_share_between)."""
+    begin = buffer.data_ptr()
+    return huge_page_share_between(begin, begin + buffer.numel() * buffer.element_size(), smaps)
+
+
+def huge_page_share_between(begin: int, end: int, smaps: str | Path = "/proc/self/smaps") -> float:
+    """The share of the whole 2 MiB pages of addresses [begin, end) that sit in huge pages: AnonHugePages (read
+    into memory) plus FilePmdMapped (a file mapping's huge folios) of the mappings that overlap them, in smaps;
+    1.0 for a span smaller than one huge page, 0.0 where smaps cannot be read."""
     whole = (end // HUGE_PAGE_BYTES - -(-begin // HUGE_PAGE_BYTES)) * HUGE_PAGE_BYTES
     if whole <= 0:
         return 1.0
@@ -83,6 +97,6 @@ def huge_page_share(buffer: torch.Tensor, smaps: str | Path = "/proc/self/smaps"
         if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line: start-end ...
             low, high = (int(bound, 16) for bound in fields[0].split("-"))
             inside = low < end and begin < high
-        elif inside and fields and fields[0] == "AnonHugePages:":
+        elif inside and fields and fields[0] in ("AnonHugePages:", "FilePmdMapped:"):
             huge += int(fields[1]) * 1024
     return min(1.0, huge / whole)

@@ -153,3 +153,15 @@ def test_checkpoints_are_made_in_another_process_while_the_probe_compiles(bench,
     assert all(pid != os.getpid() for _, pid in made.values())
     with pytest.raises(ValueError, match="no such model: broken"):
         bench.prepare_checkpoints(["broken"], tmp_path, lambda: None, make=_checkpoint_made_elsewhere)
+
+
+def test_weights_huge_page_share_spans_every_loaded_weight(bench, saved_tiny_llama, monkeypatch):
+    from optimum_neuronx import NeuronModelForCausalLM
+    from optimum_neuronx import huge_pages
+
+    spans = []
+    monkeypatch.setattr(huge_pages, "huge_page_share_between", lambda begin, end: spans.append((begin, end)) or 0.25)
+    model = NeuronModelForCausalLM.from_pretrained(saved_tiny_llama, huge_pages=False)
+    assert bench.weights_huge_page_share(model) == 0.25
+    weights = [w for w in model._weights.values() if w.numel()]
+    assert spans == [(min(w.data_ptr() for w in weights), max(w.data_ptr() + w.nbytes for w in weights))]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from optimum_neuronx import NeuronModelForCausalLM
+from optimum_neuronx import artifacts as artifacts_module
 from optimum_neuronx import huge_pages as huge_pages_module
 from optimum_neuronx.artifacts import ArtifactError, _read_into_huge_pages, load_weights, read_artifact, save_weights
 from optimum_neuronx.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer, huge_page_share, transparent_huge_pages
@@ -35,13 +36,15 @@ def test_huge_page_share_is_read_from_the_buffers_mapping(tmp_path):
     buffer = huge_page_buffer(4 * HUGE_PAGE_BYTES)
     low, high = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
 
-    def share(huge_kib: int) -> float:
+    def share(huge_kib: int, field: str = "AnonHugePages", of=buffer) -> float:
         smaps = tmp_path / "smaps"
         smaps.write_text(f"1000-2000 r-xp 00000000 fe:00 1 /usr/bin/python\nAnonHugePages:    4096 kB\n"
-                         f"{low:x}-{high:x} rw-p 00000000 00:00 0\nSize:   8192 kB\n\nAnonHugePages: {huge_kib} kB\n")
-        return huge_page_share(buffer, smaps)
+                         f"{low:x}-{high:x} rw-p 00000000 00:00 0\nSize:   8192 kB\n\n{field}: {huge_kib} kB\n")
+        return huge_page_share(of, smaps)
 
     assert share(8192) == 1.0 and share(4096) == 0.5 and share(0) == 0.0
+    assert share(4096, "FilePmdMapped") == 0.5  # a file mapping's huge folios count too
+    assert share(4096, of=buffer.view(torch.float32)) == 0.5  # bytes, not elements
     assert huge_page_share(buffer[:4096], tmp_path / "absent") == 1.0  # less than a huge page: nothing to lose
     assert huge_page_share(buffer, tmp_path / "absent") == 0.0
 
@@ -59,18 +62,46 @@ def test_weights_in_huge_pages_equal_the_mapped_ones(saved_tiny_llama):
     assert min(w.data_ptr() for w in read.values()) % HUGE_PAGE_BYTES == 0
 
 
+def _huge_page_shares(monkeypatch, shares: list) -> tuple[list, list]:
+    """Make the kernel report `shares` (the last one from then on) and record collapses and page-cache drops."""
+    collapsed, dropped = [], []
+    monkeypatch.setattr(huge_pages_module, "huge_page_share", lambda buffer: shares.pop(0) if len(shares) > 1 else shares[0])
+    monkeypatch.setattr(huge_pages_module, "collapse", collapsed.append)
+    monkeypatch.setattr(artifacts_module, "_drop_cached", dropped.append)
+    return collapsed, dropped
+
+
 @linux_only
 def test_too_few_huge_pages_fall_back_to_the_mapped_file(saved_tiny_llama, monkeypatch, caplog):
-    collapsed = []
-    monkeypatch.setattr(huge_pages_module, "huge_page_share", lambda buffer: 0.5)
-    monkeypatch.setattr(huge_pages_module, "collapse", collapsed.append)
+    collapsed, dropped = _huge_page_shares(monkeypatch, [0.5])
     _, meta = read_artifact(saved_tiny_llama)
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
         weights = load_weights(saved_tiny_llama, meta, huge_pages=True)
-    assert len(collapsed) == 1  # asked once for huge pages before giving up
+    # asked for huge pages twice, the second time with the file's page cache given back, before giving up
+    assert len(collapsed) == 2 and dropped == [str(saved_tiny_llama / "model.safetensors")]
     assert "Only 50% of" in caplog.text and "mapping the file instead" in caplog.text
     mapped = load_weights(saved_tiny_llama, meta)
     assert all(torch.equal(weights[name], weight) for name, weight in mapped.items())
+
+
+@linux_only
+@pytest.mark.parametrize("shares, collapses, drops", [([1.0], 0, 0), ([0.93, 1.0], 1, 0), ([0.93, 0.95, 0.99], 2, 1)])
+def test_a_short_share_of_huge_pages_is_collapsed_then_given_room(saved_tiny_llama, monkeypatch, shares, collapses,
+                                                                 drops):
+    collapsed, dropped = _huge_page_shares(monkeypatch, shares)
+    _, meta = read_artifact(saved_tiny_llama)
+    weights = load_weights(saved_tiny_llama, meta, huge_pages=True)
+    assert (len(collapsed), len(dropped)) == (collapses, drops)
+    # kept in the read buffer (one allocation, 2 MiB aligned), not mapped from the file
+    assert min(w.data_ptr() for w in weights.values()) % HUGE_PAGE_BYTES == 0
+
+
+@linux_only
+def test_dropping_the_page_cache_keeps_the_file(tmp_path):
+    path = tmp_path / "weights"
+    path.write_bytes(b"x" * 8192)
+    artifacts_module._drop_cached(str(path))
+    assert path.read_bytes() == b"x" * 8192
 
 
 @linux_only
