@@ -202,9 +202,8 @@ def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) 
     on a WEIGHTS_ALIGNMENT boundary; None when the kernel gave fewer than MIN_HUGE_PAGE_SHARE of its pages as huge
     pages even after a collapse, and another with the file's page cache dropped (memory full and fragmented: 880
     MiB of 2.1 GB on this host with a second copy loaded, before the drop): 4 KiB pages there would stream slower
-    than a mapping. Chunks of `chunk_bytes` are read
-    by a few threads: the copy out of the page cache and the kernel's zeroing of fresh pages take one core each
-    (4.2 GB in ~0.3 s on 2 cores, cached)."""
+    than a mapping. Chunks of `chunk_bytes` are read by a few threads: the copy out of the page cache and the
+    kernel's zeroing of fresh pages take one core each (4.2 GB in ~0.3 s on 2 cores, cached)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .huge_pages import huge_page_buffer, settle

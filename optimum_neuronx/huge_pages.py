@@ -62,15 +62,13 @@ def settle(buffer: torch.Tensor, enough: float, make_room: Optional[Callable[[],
     """`buffer`'s share of huge pages (huge_page_share) once written. Below `enough`: after a collapse, and where
     still below, after `make_room()` (memory the caller can give back) and another collapse."""
     share = huge_page_share(buffer)
-    for before in (None, make_room):
-        if share >= enough:
-            break
-        if before is not None:
-            before()
+    if share < enough:
         collapse(buffer)
         share = huge_page_share(buffer)
-        if make_room is None:
-            break
+    if share < enough and make_room is not None:
+        make_room()
+        collapse(buffer)
+        share = huge_page_share(buffer)
     return share
 
 

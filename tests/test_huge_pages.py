@@ -65,7 +65,8 @@ def test_weights_in_huge_pages_equal_the_mapped_ones(saved_tiny_llama):
 def _huge_page_shares(monkeypatch, shares: list) -> tuple[list, list]:
     """Make the kernel report `shares` (the last one from then on) and record collapses and page-cache drops."""
     collapsed, dropped = [], []
-    monkeypatch.setattr(huge_pages_module, "huge_page_share", lambda buffer: shares.pop(0) if len(shares) > 1 else shares[0])
+    monkeypatch.setattr(huge_pages_module, "huge_page_share",
+                        lambda buffer: shares.pop(0) if len(shares) > 1 else shares[0])
     monkeypatch.setattr(huge_pages_module, "collapse", collapsed.append)
     monkeypatch.setattr(artifacts_module, "_drop_cached", dropped.append)
     return collapsed, dropped
