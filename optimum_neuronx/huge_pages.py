@@ -52,7 +52,7 @@ def collapse(buffer: torch.Tensor) -> None:
     memory for them, where a page fault gives up and takes 4 KiB pages). Best effort: an older kernel refuses the
     advice, a fragmented memory leaves some pages small."""
     start = buffer.data_ptr() // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    end = -(-(buffer.data_ptr() + buffer.numel()) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = -(-(buffer.data_ptr() + buffer.numel() * buffer.element_size()) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise(start, end - start, MADV_COLLAPSE)
