@@ -1,5 +1,6 @@
 """Our hand-written kernel inside AOTInductor graphs: bfloat16 and float32 decode projections (rows_matvec)."""
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -27,7 +28,8 @@ DOT_ISA = {"avx512": {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: 
 # takes whole in blocks of 4 weight rows like float32 ones (ending in a tail at 4 rows; output counts below one
 # block and past it), up to 52 KiB of float32; one row of 2100, which the kernels compiled with pieces of 4 KiB
 # (PIECES) cut into 2 (bfloat16) or 3 (float32) pieces with partial sums; so does the AVX2 kernel, which takes one
-# weight row at a time, at every row count (up to 13 pieces).
+# weight row at a time, at every row count (up to 13 pieces). Those kernels also hand out one block of weight rows
+# at a time (CHUNK_BYTES: 1, rounded up to a block), so the threads take many chunks and steal from each other.
 SHAPES = [(1, 48, 80), (4, 64, 70), (3, 20, 33), (5, 100, 33), (2, 576, 131), (4, 40, 3), (1, 300, 40),
           (4, 232, 9), (4, 3300, 9), (3, 4200, 7), (2, 6200, 5), (1, 2100, 12)]
 
@@ -57,11 +59,12 @@ def _runs_here(isa, dtype):
 
 
 PIECES = 4096
+CHUNK_BYTES = 1
 VARIANTS = [(isa, dtype, pieces) for pieces in (-1, PIECES) for isa in DOT_ISA for dtype in DTYPES]
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[
-    f"{isa}-{'bf16' if dtype == torch.bfloat16 else 'fp32'}{'-pieces' if pieces > 0 else ''}"
+    f"{isa}-{'bf16' if dtype == torch.bfloat16 else 'fp32'}{'-pieces-blocks' if pieces > 0 else ''}"
     for isa, dtype, pieces in VARIANTS])
 def kernel_package(request, tmp_path_factory):
     from torch._inductor.package import package_aoti
@@ -73,8 +76,10 @@ def kernel_package(request, tmp_path_factory):
         pytest.skip(f"rows_matvec's {isa} {dtype} kernel needs {' and '.join(DOT_ISA[isa][dtype])} and GCC or Clang")
     module, args = _Projections(dtype).eval(), _inputs(dtype)
     program = torch.export.export(module, args, strict=False)
+    small = pieces > 0  # pieces of x and chunks of one block of weight rows
     files = torch._inductor.aot_compile(program.module(), args, options={
-        "aot_inductor.package": True, **c_shim_options(4, isa, piece_bytes=pieces)})
+        "aot_inductor.package": True,
+        **c_shim_options(4, isa, piece_bytes=pieces, chunk_bytes=CHUNK_BYTES if small else 0)})
     return package_aoti(str(tmp_path_factory.mktemp("kernel") / "kernel.pt2"), files), module, args
 
 
@@ -104,6 +109,23 @@ def test_kernel_matches_sums_rounded_once(kernel_package):
         _assert_close(out, eager)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_kernel_matches_at_other_thread_counts(kernel_package, threads):
+    # The rows are split into one share per thread (omp_get_max_threads, which torch.set_num_threads sets): one
+    # thread takes every chunk; three on this 2-core host take turns and steal from each other's shares.
+    from torch._inductor.package import load_package
+
+    path, module, args = kernel_package
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        outs = load_package(path)(*args)
+    finally:
+        torch.set_num_threads(before)
+    for out, expected in zip(outs, _expected(module, args)):
+        _assert_close(out, expected)
+
+
 def test_kernel_rounds_each_sum_once_to_nearest_even(kernel_package):
     # Rows of x with two ones: each sum is one addition of two weights, exact in float32 in any order, so the output
     # must be that float32 sum rounded once (bfloat16: to nearest, ties to even), bit for bit, in every path (sums
@@ -124,14 +146,8 @@ def test_kernel_rounds_each_sum_once_to_nearest_even(kernel_package):
         assert torch.equal(out, expected)
 
 
-def test_graph_carries_the_kernel_and_runs_without_our_package(kernel_package, tmp_path):
-    # The wrapper calls the kernel as a C function compiled into it, not through the dispatcher: a process that
-    # never imported optimum_neuronx (so the op is not registered) runs the graph.
-    path, module, args = kernel_package
-    with zipfile.ZipFile(path) as package:
-        wrapper = next(package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_rows_matvec(") == len(SHAPES) + 2  # definition + one call per use
-    assert "proxy_executor_call_function" not in wrapper and "call_dispatcher" not in wrapper
+def _run_in_a_fresh_process(path, args, tmp_path, env=None):
+    """The package's outputs for `args`, run by a process that never imports optimum_neuronx."""
     xs, transposed = args
     torch.save([*xs, transposed], tmp_path / "inputs.pt")
     script = (
@@ -141,9 +157,30 @@ def test_graph_carries_the_kernel_and_runs_without_our_package(kernel_package, t
         "assert not any(name.startswith('optimum_neuronx') for name in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", script, path, str(tmp_path / "inputs.pt"),
-                             str(tmp_path / "outputs.pt")], capture_output=True, text=True, timeout=120)
+                             str(tmp_path / "outputs.pt")], capture_output=True, text=True, timeout=120,
+                            env=None if env is None else dict(os.environ, **env))
     assert result.returncode == 0, result.stderr[-3000:]
-    for out, expected in zip(torch.load(tmp_path / "outputs.pt"), _expected(module, args)):
+    return torch.load(tmp_path / "outputs.pt")
+
+
+def test_graph_carries_the_kernel_and_runs_without_our_package(kernel_package, tmp_path):
+    # The wrapper calls the kernel as a C function compiled into it, not through the dispatcher: a process that
+    # never imported optimum_neuronx (so the op is not registered) runs the graph.
+    path, module, args = kernel_package
+    with zipfile.ZipFile(path) as package:
+        wrapper = next(package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp"))
+    assert wrapper.count("aoti_torch_cpu_rows_matvec(") == len(SHAPES) + 2  # definition + one call per use
+    assert "proxy_executor_call_function" not in wrapper and "call_dispatcher" not in wrapper
+    for out, expected in zip(_run_in_a_fresh_process(path, args, tmp_path), _expected(module, args)):
+        _assert_close(out, expected)
+
+
+def test_kernel_does_every_share_in_a_team_smaller_than_planned(kernel_package, tmp_path):
+    # Shares are planned for omp_get_max_threads() (3 here), but the team that runs them may be smaller (a call
+    # from inside another parallel region; here a limit of 1 thread): its threads take the other shares' chunks.
+    path, module, args = kernel_package
+    outs = _run_in_a_fresh_process(path, args, tmp_path, env={"OMP_NUM_THREADS": "3", "OMP_THREAD_LIMIT": "1"})
+    for out, expected in zip(outs, _expected(module, args)):
         _assert_close(out, expected)
 
 

@@ -85,19 +85,24 @@ DOT_KERNEL_ISAS = {
 }
 
 
-def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes: int = -1) -> dict:
+def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes: int = -1,
+                   chunk_bytes: int = 0) -> dict:
     """Inductor options that compile our kernels' variant for `isa` (a DOT_KERNEL_ISAS key) into the graph:
     `rows_matvec` (when the lowering uses it, dot_rows > 0) and, with `attention`, `decode_attention`.
     `piece_bytes` >= 0 overrides the variant's piece size of the input rows (0: whole rows); the tests use it to
-    run the pieces' partial sums on a CPU whose variant takes rows whole."""
+    run the pieces' partial sums on a CPU whose variant takes rows whole. `chunk_bytes` > 0 overrides the size of the
+    chunks of weight rows the threads take (rounded down to whole blocks, at least one); the tests use it to cut
+    many chunks from small weights."""
     if not dot_rows and not attention:
         return {}
     if isa not in DOT_KERNEL_ISAS:
         raise ValueError(f"our kernels have no {isa!r} variant; they have {sorted(DOT_KERNEL_ISAS)}.")
     # Inductor writes each string as `extern <string>;` inside an `extern "C" { ... }` block: `extern "C++" { ... }`
     # gives the source its own linkage block, in which the shim functions declare themselves extern "C".
-    defines = {"OPTIMUM_NEURONX_ROW_PREFETCH_BYTES": ROW_PREFETCH_BYTES, "OPTIMUM_NEURONX_DOT_AVX512": int(isa == "avx512"),
+    defines = {"OPTIMUM_NEURONX_ROW_PREFETCH_BYTES": ROW_PREFETCH_BYTES,
+               "OPTIMUM_NEURONX_DOT_AVX512": int(isa == "avx512"),
                "OPTIMUM_NEURONX_DOT_PIECE_BYTES": piece_bytes,
+               "OPTIMUM_NEURONX_DOT_CHUNK_BYTES": chunk_bytes,
                "OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY": kernel_tuning()["rows_prefetch_locality"]}
     names = (ROWS_MATVEC, DECODE_ATTENTION) if attention else (ROWS_MATVEC,)
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items())

@@ -13,9 +13,10 @@
 // This file is spliced into the C++ wrapper of each graph that calls the op, inside `extern "C" { extern "C++"
 // { ... } }`, so the compiled graph carries its own copy and loading it needs no extra library. The wrapper
 // is compiled at -O1: the hot functions ask for -O3 themselves. OPTIMUM_NEURONX_ROW_PREFETCH_BYTES,
-// OPTIMUM_NEURONX_DOT_AVX512 (1: the AVX-512 variant, 0: AVX2; the export's target names what it needs) and
+// OPTIMUM_NEURONX_DOT_AVX512 (1: the AVX-512 variant, 0: AVX2; the export's target names what it needs),
 // OPTIMUM_NEURONX_DOT_PIECE_BYTES (-1: each variant's own kPieceBytes; tests set it to cut rows into pieces where
-// the variant takes them whole) and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the weights' prefetch hint at several
+// the variant takes them whole), OPTIMUM_NEURONX_DOT_CHUNK_BYTES (0: kChunkBytes' default; tests set it to hand out
+// one block at a time) and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the weights' prefetch hint at several
 // rows of x) are defined in front of this file.
 #include <immintrin.h>
 #include <omp.h>
@@ -459,14 +460,40 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restri
   }
 }
 
+// Each thread's share of the weight rows is handed out in chunks of about kChunkBytes (OPTIMUM_NEURONX_DOT_CHUNK_BYTES
+// when positive): a thread takes its own share's chunks front to back, one stream,
+// then the chunks left in the others' shares. The threads' shares of the memory bandwidth differ from one call to
+// the next: with the rows split evenly, the other thread of a 1.1B-shape fp32 token step waited 3-12% of its time
+// at the ends of the calls in a fast memory phase (perf, Zen 5, 2 threads); taken in chunks, that step ran
+// 1.02-1.05x faster (docs/performance.md).
+constexpr int64_t kChunkBytes = OPTIMUM_NEURONX_DOT_CHUNK_BYTES > 0 ? OPTIMUM_NEURONX_DOT_CHUNK_BYTES : 131072;
+constexpr int kMaxShares = 256;  // more threads than that start in a share another thread owns
+
+struct alignas(64) NextRow {  // a line of its own: its owner's claims stay in its core's cache
+  int64_t row;  // claimed with __atomic_fetch_add
+};
+
 template <typename Lines, int R>
 void dot_rows_parallel(const typename Lines::Element* weight, const typename Lines::XElement* x, int64_t k,
                        int64_t k_padded, int64_t n_out, int64_t piece, float* partial, typename Lines::Element* y) {
+  const int max_threads = omp_get_max_threads();
+  const int shares = max_threads < kMaxShares ? max_threads : kMaxShares;
+  NextRow next[kMaxShares];
+  for (int s = 0; s < shares; ++s) next[s].row = n_out * s / shares;  // the fork publishes them to the team
+  // Whole blocks of weight rows per chunk (a remainder only where a share ends)
+  const int64_t block = Lines::kBlockRows, row_bytes = k * int64_t(sizeof(typename Lines::Element));
+  const int64_t chunk = kChunkBytes / row_bytes / block * block > block ? kChunkBytes / row_bytes / block * block : block;
 #pragma omp parallel
   {
-    const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
-    dot_rows<Lines, R>(weight, x, k, k_padded, n_out, n_out * thread / threads, n_out * (thread + 1) / threads, piece,
-                       partial, y);
+    // Every share is visited by every thread, so a team smaller than planned (a nested call) still does all rows.
+    const int thread = omp_get_thread_num();
+    for (int i = 0; i < shares; ++i) {
+      const int share = (thread + i) % shares;
+      const int64_t end = n_out * (share + 1) / shares;
+      for (int64_t begin; (begin = __atomic_fetch_add(&next[share].row, chunk, __ATOMIC_RELAXED)) < end;)
+        dot_rows<Lines, R>(weight, x, k, k_padded, n_out, begin, begin + chunk < end ? begin + chunk : end, piece,
+                           partial, y);
+    }
   }
 }
 
