@@ -112,7 +112,7 @@ def test_kernel_matches_sums_rounded_once(kernel_package):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_kernel_matches_at_other_thread_counts(kernel_package, threads):
     # The rows are split into one share per thread (omp_get_max_threads, which torch.set_num_threads sets): one
-    # thread takes every chunk; three on this 2-core host take turns and steal from each other's shares.
+    # thread takes every chunk; three (more than the cores of a 2-core host) take turns and steal from each other.
     from torch._inductor.package import load_package
 
     path, module, args = kernel_package

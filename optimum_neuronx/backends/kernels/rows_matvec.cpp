@@ -460,12 +460,12 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restri
   }
 }
 
-// Each thread's share of the weight rows is handed out in chunks of about kChunkBytes (OPTIMUM_NEURONX_DOT_CHUNK_BYTES
-// when positive): a thread takes its own share's chunks front to back, one stream,
+// Each thread's share of the weight rows is handed out in chunks of about kChunkBytes
+// (OPTIMUM_NEURONX_DOT_CHUNK_BYTES when positive): a thread takes its own share's chunks front to back, one stream,
 // then the chunks left in the others' shares. The threads' shares of the memory bandwidth differ from one call to
-// the next: with the rows split evenly, the other thread of a 1.1B-shape fp32 token step waited 3-12% of its time
-// at the ends of the calls in a fast memory phase (perf, Zen 5, 2 threads); taken in chunks, that step ran
-// 1.02-1.05x faster (docs/performance.md).
+// the next: with the rows split evenly, the worker thread of a 1.1B-shape fp32 token step spent 3-12% of its
+// samples waiting at the ends of the calls in fast memory phases (perf, Zen 5, 2 threads); taken in chunks, ~1.5%,
+// and the token graph ran 1.01-1.05x faster (docs/performance.md, "Weight rows in chunks").
 constexpr int64_t kChunkBytes = OPTIMUM_NEURONX_DOT_CHUNK_BYTES > 0 ? OPTIMUM_NEURONX_DOT_CHUNK_BYTES : 131072;
 constexpr int kMaxShares = 256;  // more threads than that start in a share another thread owns
 
@@ -480,9 +480,10 @@ void dot_rows_parallel(const typename Lines::Element* weight, const typename Lin
   const int shares = max_threads < kMaxShares ? max_threads : kMaxShares;
   NextRow next[kMaxShares];
   for (int s = 0; s < shares; ++s) next[s].row = n_out * s / shares;  // the fork publishes them to the team
-  // Whole blocks of weight rows per chunk (a remainder only where a share ends)
+  // Rows per chunk: whole blocks, at least one (a remainder only where a share ends)
   const int64_t block = Lines::kBlockRows, row_bytes = k * int64_t(sizeof(typename Lines::Element));
-  const int64_t chunk = kChunkBytes / row_bytes / block * block > block ? kChunkBytes / row_bytes / block * block : block;
+  const int64_t fitting = kChunkBytes / row_bytes / block * block;  // the whole blocks that fit in kChunkBytes
+  const int64_t chunk = fitting > block ? fitting : block;
 #pragma omp parallel
   {
     // Every share is visited by every thread, so a team smaller than planned (a nested call) still does all rows.
