@@ -52,7 +52,7 @@ def collapse(buffer: torch.Tensor) -> None:
     memory for them, where a page fault gives up and takes 4 KiB pages). Best effort: an older kernel refuses the
     advice, a fragmented memory leaves some pages small."""
     start = buffer.data_ptr() // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    end = -(-(buffer.data_ptr() + buffer.numel() * buffer.element_size()) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = -(-(buffer.data_ptr() + buffer.nbytes) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise(start, end - start, MADV_COLLAPSE)
@@ -75,7 +75,7 @@ def settle(buffer: torch.Tensor, enough: float, make_room: Optional[Callable[[],
 def huge_page_share(buffer: torch.Tensor, smaps: str | Path = "/proc/self/smaps") -> float:
     """The share of `buffer`'s whole 2 MiB pages that sit in huge pages (huge_page_share_between)."""
     begin = buffer.data_ptr()
-    return huge_page_share_between(begin, begin + buffer.numel() * buffer.element_size(), smaps)
+    return huge_page_share_between(begin, begin + buffer.nbytes, smaps)
 
 
 def huge_page_share_between(begin: int, end: int, smaps: str | Path = "/proc/self/smaps") -> float:
