@@ -12,7 +12,7 @@ from optimum_neuronx.modeling.ops import decode_attention
 
 BACKEND = get_backend("inductor")
 DTYPES = [torch.bfloat16, torch.float32]
-ISA_NEEDS = {"avx512": ["avx512"], "avx2": ["avx2"]}
+ISA_NEEDS = {"avx512_bf16": ["avx512"], "avx512": ["avx512"], "avx2": ["avx2"]}
 
 # (batch, KV heads, query rows per KV head, head dim, window, new tokens, cache slots). SmolLM2's decode step (3
 # query heads of 64 per KV head over a 192-slot window), a group of 8 (the 1.1B shape) over a window whose scores

@@ -16,8 +16,10 @@ from optimum_neuronx.modeling.ops import rows_matvec
 
 BACKEND = get_backend("inductor")
 DTYPES = [torch.bfloat16, torch.float32]
-# What exports with each variant of the kernel need of the CPU that runs them
-DOT_ISA = {"avx512": {torch.bfloat16: ["avx512", "avx512_bf16"], torch.float32: ["avx512"]},
+# What exports with each variant of the kernel need of the CPU that runs them (bfloat16 on AVX-512: through
+# avx512_bf16's dot products, or widened to float32 without them; a CPU with avx512_bf16 runs both here)
+DOT_ISA = {"avx512_bf16": {torch.bfloat16: ["avx512", "avx512_bf16"]},
+           "avx512": {torch.bfloat16: ["avx512"], torch.float32: ["avx512"]},
            "avx2": {torch.bfloat16: ["avx2"], torch.float32: ["avx2"]}}
 
 # (rows, in, out), for 64-byte lines of 32 bfloat16 or 16 float32: full lines plus a tail, lines only, a tail only
@@ -60,7 +62,7 @@ def _runs_here(isa, dtype):
 
 PIECES = 4096
 CHUNK_BYTES = 1
-VARIANTS = [(isa, dtype, pieces) for pieces in (-1, PIECES) for isa in DOT_ISA for dtype in DTYPES]
+VARIANTS = [(isa, dtype, pieces) for pieces in (-1, PIECES) for isa in DOT_ISA for dtype in DOT_ISA[isa]]
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[
@@ -200,11 +202,12 @@ def test_fake_kernel_names_bad_operands():
 def test_decode_lowering_uses_the_kernel_up_to_four_rows_and_packs_nothing(dtype, monkeypatch):
     if not BACKEND.has_dot_kernel(dtype):
         pytest.skip(f"no {dtype} dot kernel on this machine")
-    best = next(isa for isa in DOT_ISA if _runs_here(isa, dtype))
+    best = next(isa for isa in DOT_ISA if dtype in DOT_ISA[isa] and _runs_here(isa, dtype))
+    avx512 = best.startswith("avx512")
     one_row = BACKEND.lowering(dtype, batch_size=1)  # AVX2: no faster than Inductor's multiply + sum at one row
-    assert (one_row.dot_rows, one_row.packed_rows) == ((4, 0) if best == "avx512" else (0, 0))
+    assert (one_row.dot_rows, one_row.packed_rows) == ((4, 0) if avx512 else (0, 0))
     assert one_row.dot_isa == best  # decode attention's kernel (test_attention_kernel.py) runs at every batch
-    for batch in (1, 4) if best == "avx512" else (2, 4):
+    for batch in (1, 4) if avx512 else (2, 4):
         lowering = BACKEND.lowering(dtype, batch_size=batch)
         assert lowering.dot_rows == 4 and lowering.for_layers().dot_rows == 4
         assert lowering.packed_rows == 0  # the kernel reads the weights plain: nothing to reorder at load
@@ -215,6 +218,12 @@ def test_decode_lowering_uses_the_kernel_up_to_four_rows_and_packs_nothing(dtype
     wide = BACKEND.lowering(dtype, batch_size=8)
     assert not wide.uses_dot_kernel(8, dtype) and wide.uses_dot_kernel(4, dtype)
     assert wide.packed_rows == (8 if wide.onednn else 0)
+    if avx512:  # without avx512_bf16, bfloat16 takes the AVX-512 variant that widens it (float32 always does)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+        widened = BACKEND.lowering(dtype, batch_size=1)
+        assert widened.dot_isa == "avx512" and widened.dot_rows == 4
+        # the kernel adds nothing to what Inductor's own kernels need (which may name avx512_bf16 on such a CPU)
+        assert set(BACKEND.target(widened, dtype).split()) == set(BACKEND.target().split()) | {"avx512"}
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)  # an AVX2 CPU takes the AVX2 variant
     assert BACKEND.lowering(dtype, batch_size=4).dot_isa == "avx2"
     monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: False)
@@ -243,7 +252,8 @@ def test_weights_the_kernel_reads_are_never_packed(tied):
             assert decoder.packable_weight_names() == packed, (dtype, dot_rows, packed_rows)
 
 
-@pytest.mark.parametrize("isa, dtype, lacking", [("avx512", torch.bfloat16, "avx512_bf16"),
+@pytest.mark.parametrize("isa, dtype, lacking", [("avx512_bf16", torch.bfloat16, "avx512_bf16"),
+                                                 ("avx512", torch.bfloat16, "avx512"),
                                                  ("avx512", torch.float32, "avx512"),
                                                  ("avx2", torch.bfloat16, "avx2"), ("avx2", torch.float32, "avx2")])
 def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa, dtype, lacking, monkeypatch):
@@ -259,24 +269,31 @@ def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa
     assert BACKEND.missing_target_support(target) == ""
 
 
-@pytest.mark.parametrize("cpuinfo, identity, locality", [
-    ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n", ("AuthenticAMD", 26), 0),
-    ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 1),
-    ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 1),  # no x86 fields (e.g. aarch64)
+@pytest.mark.parametrize("cpuinfo, identity, one_row, several_rows", [
+    ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n", ("AuthenticAMD", 26),
+     0, 0),
+    ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1),
+    ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1),
+    ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1),  # no x86 fields (e.g. aarch64)
 ])
-def test_prefetch_hint_at_several_rows_follows_the_cpu(cpuinfo, identity, locality, tmp_path, monkeypatch):
-    from optimum_neuronx.backends import inductor_kernels
+def test_prefetch_hints_follow_the_cpu(cpuinfo, identity, one_row, several_rows, tmp_path, monkeypatch):
+    from optimum_neuronx.backends import inductor_codegen, inductor_kernels
 
     path = tmp_path / "cpuinfo"
     path.write_text(cpuinfo)
     assert inductor_kernels.cpu_identity(str(path)) == identity
     monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
-    assert inductor_kernels.kernel_tuning() == {"rows_prefetch_locality": locality}
-    # the kernel is compiled with it, and exports (and their compile-cache keys) carry it
+    tuning = {"row_prefetch_locality": one_row, "rows_prefetch_locality": several_rows}
+    assert inductor_kernels.kernel_tuning() == tuning
+    # the kernel is compiled with them, Inductor's row reductions prefetch with the one-row hint, and exports
+    # (and their compile-cache keys) carry both
     shims = inductor_kernels.c_shim_options(4, "avx512")["aot_inductor.custom_ops_to_c_shims"]
     source = shims[torch.ops.optimum_neuronx.rows_matvec.default][0]
-    assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {locality}\n" in source
-    assert BACKEND.codegen_options()["kernel_tuning"] == {"rows_prefetch_locality": locality}
+    assert f"#define OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY {one_row}\n" in source
+    assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {several_rows}\n" in source
+    assert inductor_codegen.row_prefetch_locality() == one_row
+    assert BACKEND.codegen_options()["kernel_tuning"] == tuning
+    assert BACKEND.codegen_options()["row_prefetch_locality"] == one_row
 
 
 @pytest.mark.parametrize("identity, width", [(("AuthenticAMD", 26), 4096), (("AuthenticAMD", 25), 0), (("", -1), 0)])
@@ -287,7 +304,7 @@ def test_one_row_width_limit_follows_the_cpu(identity, width, monkeypatch):
 
     monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
     for dtype in DTYPES:
-        if BACKEND.dot_kernel_isa(dtype) != "avx512":
+        if not BACKEND.dot_kernel_isa(dtype).startswith("avx512"):
             continue
         expected = width if dtype == torch.bfloat16 else 0
         for batch in (1, 4):

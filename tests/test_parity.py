@@ -107,8 +107,8 @@ def test_bf16_batch_1_with_wide_rows_through_the_multiply_and_sum(tiny_checkpoin
 
     from optimum_neuronx.backends import get_backend, inductor, inductor_kernels
 
-    if get_backend("inductor").dot_kernel_isa(torch.bfloat16) != "avx512":
-        pytest.skip("the one-row width limit is for the AVX-512 kernel (avx512_bf16), which this CPU lacks")
+    if not get_backend("inductor").dot_kernel_isa(torch.bfloat16).startswith("avx512"):
+        pytest.skip("the one-row width limit is for the AVX-512 kernel, which this CPU lacks")
     monkeypatch.setattr(inductor, "ONE_ROW_DOT_WIDTH", {inductor_kernels.cpu_identity(): {torch.bfloat16: 512}})
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=1,
                                                    sequence_length=32, context_buckets=[16], token_buckets=[32],
@@ -466,7 +466,7 @@ def test_row_streaming_loads_are_prefetched(dtype):
     # Decode's projections stream weight rows through a multiply + sum: the weight load gets one software
     # prefetch ROW_PREFETCH_BYTES ahead, the vector it is multiplied with (same elements every row) none, an
     # elementwise kernel none; the results do not change.
-    from optimum_neuronx.backends.inductor_codegen import ROW_PREFETCH_BYTES, ROW_PREFETCH_LOCALITY, decode_codegen
+    from optimum_neuronx.backends.inductor_codegen import ROW_PREFETCH_BYTES, decode_codegen, row_prefetch_locality
 
     args = torch.randn(300, 640).to(dtype), torch.randn(640).to(dtype)
     plain, plain_code = _compiled_kernel(_matvec, args)
@@ -476,7 +476,7 @@ def test_row_streaming_loads_are_prefetched(dtype):
     # One line, on the weight (the first input), moving along the row (x1) and from row to row (640*x0).
     assert len(prefetches) == 1 and prefetches[0].startswith("__builtin_prefetch(in_ptr0 + ")
     ahead = ROW_PREFETCH_BYTES // dtype.itemsize
-    assert "640" in prefetches[0] and prefetches[0].endswith(f" + {ahead}, 0, {ROW_PREFETCH_LOCALITY});")
+    assert "640" in prefetches[0] and prefetches[0].endswith(f" + {ahead}, 0, {row_prefetch_locality()});")
     assert torch.equal(fetched, plain)
     _, elementwise_code = _compiled_kernel(lambda w, v: w * v + 1, args, decode_codegen())
     assert "__builtin_prefetch" not in elementwise_code

@@ -46,7 +46,7 @@ DOT_KERNEL_ROWS = 4
 # faster than Inductor's multiply + sum (Zen 3: SmolLM2 fp32 batch 1 token steps 0.93x, 8 of 8 rounds; 1 GiB probe
 # 0.92-1.04x; with whole input rows, the 1.1B shape's batch 1 steps took 1.04x (fp32) and 1.08x (bf16) the time),
 # so batch 1 keeps the multiply + sum there (docs/performance.md).
-DOT_KERNEL_MIN_BATCH = {"avx512": 1, "avx2": 2}
+DOT_KERNEL_MIN_BATCH = {"avx512_bf16": 1, "avx512": 1, "avx2": 2}
 # At one row, the widest input (elements) the kernel takes per CPU (vendor, family) and dtype where measured; wider
 # rows go through Inductor's multiply + sum. Zen 5 (AMD family 26), bfloat16: the 1.1B shape's down projection
 # (5632 inputs) that way made its batch-1 token graph 1.06-1.17x faster in fast memory phases and 1.00-1.05x in slow
@@ -119,15 +119,16 @@ class InductorBackend(Backend):
         dot_rows = DOT_KERNEL_ROWS if isa and batch_size >= DOT_KERNEL_MIN_BATCH[isa] else 0
         attention_kernel = bool(isa)
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
-        widths = ONE_ROW_DOT_WIDTH.get(inductor_kernels.cpu_identity(), {}) if isa == "avx512" else {}
+        widths = ONE_ROW_DOT_WIDTH.get(inductor_kernels.cpu_identity(), {}) if isa.startswith("avx512") else {}
         return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "",
                         dot_one_row_width=widths.get(dtype, 0) if dot_rows else 0, matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
                         attention_kernel=attention_kernel, causal_block=128)
 
     def dot_kernel_isa(self, dtype: torch.dtype) -> str:
-        """The best variant of `rows_matvec`'s kernel this machine can compile and run for `dtype` (AVX-512 with
-        avx512_bf16 for bfloat16, else AVX2; GCC or Clang), "" if none."""
+        """The best variant of `rows_matvec`'s kernel this machine can compile and run for `dtype` (a DOT_KERNEL_ISAS
+        key: AVX-512, for bfloat16 with avx512_bf16's dot products where the CPU has them, else AVX2; GCC or
+        Clang), "" if none."""
         from torch._inductor import cpp_builder
 
         if not (cpp_builder.is_gcc() or cpp_builder.is_clang()):

@@ -25,9 +25,7 @@ CASCADE_CHUNK = 4096
 # How far ahead of a weight row's current vector a software prefetch reaches. 2, 4, 8 and 16 KiB were tried on
 # the 1.1B shape's bf16 token graph; 8 KiB was fastest (docs/performance.md).
 ROW_PREFETCH_BYTES = 8192
-# __builtin_prefetch's locality argument: 0 = non-temporal (prefetchnta on x86). Weights are read once per decode
-# step, so they should not push anything else out of the caches; the token graph ran 9% faster than with 3 (t0).
-ROW_PREFETCH_LOCALITY = 0
+# __builtin_prefetch's locality argument depends on the CPU: inductor_kernels.ROW_PREFETCH_LOCALITY.
 # The fewest elements per thread for which Inductor splits a loop between threads (its cpp.min_chunk_size;
 # Inductor's default, 512, splits an RMSNorm of 4 x 576). A split costs an OpenMP region (waking the other threads,
 # a barrier where the first one done waits) for a loop of a microsecond or less. SmolLM2's batch-4 token graph: 5
@@ -37,7 +35,14 @@ MIN_ELEMENTS_PER_THREAD = 8192
 
 def codegen_options() -> dict:
     return {"plain_vector_sums_up_to": CASCADE_CHUNK, "row_prefetch_bytes": ROW_PREFETCH_BYTES,
-            "row_prefetch_locality": ROW_PREFETCH_LOCALITY, "min_elements_per_thread": MIN_ELEMENTS_PER_THREAD}
+            "row_prefetch_locality": row_prefetch_locality(), "min_elements_per_thread": MIN_ELEMENTS_PER_THREAD}
+
+
+def row_prefetch_locality() -> int:
+    """The prefetch hint for weight rows streamed one row of input at a time (this CPU's, see inductor_kernels)."""
+    from .inductor_kernels import kernel_tuning
+
+    return kernel_tuning()["row_prefetch_locality"]
 
 
 def inductor_options() -> dict:
@@ -136,4 +141,4 @@ def _prefetch_line(kernel, name: str, index) -> Optional[str]:
         return None
     ahead = ROW_PREFETCH_BYTES // V.graph.get_dtype(name).itemsize
     address = f"{kernel.args.input(name)} + {cexpr_index(index)} + {ahead}"
-    return f"__builtin_prefetch({address}, 0, {ROW_PREFETCH_LOCALITY});"
+    return f"__builtin_prefetch({address}, 0, {row_prefetch_locality()});"

@@ -40,12 +40,22 @@ def kernel_digests() -> dict:
             for name in (ROWS_MATVEC, DECODE_ATTENTION)}
 
 
-# __builtin_prefetch's locality for the weights when rows_matvec reads several rows of x per pass (at one row it is
-# always 0, non-temporal), per CPU (vendor, family) where measured, else the default: 1 (into L2). Zen 4 (AVX-512):
+# __builtin_prefetch's locality for weights streamed against one row of input (rows_matvec at one row of x, and
+# Inductor's multiply + sum, inductor_codegen.py), per CPU (vendor, family) where measured, else the default: 0,
+# non-temporal. Weights are read once per decode step and should push nothing else out of the caches: on the AMD
+# hosts (t0, Zen 3-5) the 1.1B shape's bf16 token graph ran 9% faster than with 3. On an Intel Xeon (family 6,
+# model 207, 2 vCPUs) non-temporal prefetches held a stream from memory to ~11 GB/s where 1, 2 and 3 read 27-30
+# GB/s, both dtypes (C harness, 1 GiB of weights, 2 threads), and the 1.1B shape's batch-1 token steps ran 1.5x
+# (bf16) and 2.5x (fp32) faster with 1 (docs/performance.md, "An Intel Xeon host").
+ROW_PREFETCH_LOCALITY = {("GenuineIntel", 6): 1}
+DEFAULT_ROW_PREFETCH_LOCALITY = 0
+# The same for several rows of x per pass, where measured, else the default: 1 (into L2). Zen 4 (AVX-512):
 # its slower loop at several rows lost non-temporal lines before it reached them; into L2 streamed SmolLM2's
 # projections 1.1-1.3x faster (C harness). Zen 5 (AMD family 26): the other way round, non-temporal streamed 4 rows
 # of the 1.1B shape's and SmolLM2's projections 1.06-1.13x faster (C harness, both dtypes) and ran batch-4 token
 # steps 1.07x (1.1B shape fp32), 1.10x (SmolLM2 fp32) and 1.13x (1.1B shape bf16) faster (docs/performance.md).
+# The Intel Xeon above keeps the default: 2 streamed 4 rows of 2048 1.03-1.12x faster than 1 in the C harness (3
+# rounds), but batch-4 token steps with either, in processes taking turns, could not be told apart (0.87-1.21x).
 ROWS_PREFETCH_LOCALITY = {("AuthenticAMD", 26): 0}
 DEFAULT_ROWS_PREFETCH_LOCALITY = 1
 
@@ -74,13 +84,17 @@ def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, int]:
 
 def kernel_tuning() -> dict:
     """The kernels' CPU-dependent constants; stamped into exports next to the kernels' digests."""
-    return {"rows_prefetch_locality": ROWS_PREFETCH_LOCALITY.get(cpu_identity(), DEFAULT_ROWS_PREFETCH_LOCALITY)}
+    identity = cpu_identity()
+    return {"row_prefetch_locality": ROW_PREFETCH_LOCALITY.get(identity, DEFAULT_ROW_PREFETCH_LOCALITY),
+            "rows_prefetch_locality": ROWS_PREFETCH_LOCALITY.get(identity, DEFAULT_ROWS_PREFETCH_LOCALITY)}
 
 
 # The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86
-# feature names of backends/inductor.py). bfloat16 on AVX-512 without avx512_bf16 takes the AVX2 variant.
+# feature names of backends/inductor.py). "avx512_bf16": bfloat16 through avx512_bf16's dot products; "avx512":
+# float32, and bfloat16 widened to float32 on AVX-512 CPUs without them.
 DOT_KERNEL_ISAS = {
-    "avx512": {torch.bfloat16: ("avx512", "avx512_bf16"), torch.float32: ("avx512",)},
+    "avx512_bf16": {torch.bfloat16: ("avx512", "avx512_bf16")},
+    "avx512": {torch.bfloat16: ("avx512",), torch.float32: ("avx512",)},
     "avx2": {torch.bfloat16: ("avx2",), torch.float32: ("avx2",)},
 }
 
@@ -99,11 +113,14 @@ def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes
         raise ValueError(f"our kernels have no {isa!r} variant; they have {sorted(DOT_KERNEL_ISAS)}.")
     # Inductor writes each string as `extern <string>;` inside an `extern "C" { ... }` block: `extern "C++" { ... }`
     # gives the source its own linkage block, in which the shim functions declare themselves extern "C".
+    tuning = kernel_tuning()
     defines = {"OPTIMUM_NEURONX_ROW_PREFETCH_BYTES": ROW_PREFETCH_BYTES,
-               "OPTIMUM_NEURONX_DOT_AVX512": int(isa == "avx512"),
+               "OPTIMUM_NEURONX_DOT_AVX512": int(isa.startswith("avx512")),
+               "OPTIMUM_NEURONX_DOT_BF16_NATIVE": int(isa == "avx512_bf16"),
                "OPTIMUM_NEURONX_DOT_PIECE_BYTES": piece_bytes,
                "OPTIMUM_NEURONX_DOT_CHUNK_BYTES": chunk_bytes,
-               "OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY": kernel_tuning()["rows_prefetch_locality"]}
+               "OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY": tuning["row_prefetch_locality"],
+               "OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY": tuning["rows_prefetch_locality"]}
     names = (ROWS_MATVEC, DECODE_ATTENTION) if attention else (ROWS_MATVEC,)
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items())
     source += "".join(kernel_source(name) for name in names)

@@ -1,9 +1,10 @@
 // optimum_neuronx::rows_matvec for AOTInductor on x86 CPUs with AVX-512 or AVX2 (see inductor_kernels.py).
 //
 // y[r, n] = sum_k x[r, k] * weight[n, k] for a few rows r (decode: one per sequence), float32 sums, in and out
-// either bfloat16 or float32. Each weight row is read from memory once for all rows of x. AVX-512 (bfloat16 needs
-// avx512_bf16): one instruction per row of x and 64-byte line of weight (bfloat16: vdpbf16ps, 32 products summed
-// in pairs into 16 float32 lanes; float32: one fused multiply-add of 16 lanes). AVX2: two 8-lane fused
+// either bfloat16 or float32. Each weight row is read from memory once for all rows of x. AVX-512: one instruction
+// per row of x and 64-byte line of weight (float32: one fused multiply-add of 16 lanes; bfloat16 with avx512_bf16:
+// vdpbf16ps, 32 products summed in pairs into 16 float32 lanes; without it, the line widened to float32 as AVX2
+// does below, and two multiply-adds). AVX2: two 8-lane fused
 // multiply-adds per 64-byte line of float32; a line of bfloat16 is widened to float32 by a shift and a mask
 // (even and odd elements) and takes four, against x stored widened in that order. Inductor's own multiply + sum
 // spends ~40 instructions per line at 4 bfloat16 rows (conversions, separate multiplies and adds) and cannot keep
@@ -14,10 +15,11 @@
 // { ... } }`, so the compiled graph carries its own copy and loading it needs no extra library. The wrapper
 // is compiled at -O1: the hot functions ask for -O3 themselves. OPTIMUM_NEURONX_ROW_PREFETCH_BYTES,
 // OPTIMUM_NEURONX_DOT_AVX512 (1: the AVX-512 variant, 0: AVX2; the export's target names what it needs),
+// OPTIMUM_NEURONX_DOT_BF16_NATIVE (AVX-512: 1, bfloat16 through avx512_bf16's dot products; 0, widened),
 // OPTIMUM_NEURONX_DOT_PIECE_BYTES (-1: each variant's own kPieceBytes; tests set it to cut rows into pieces where
 // the variant takes them whole), OPTIMUM_NEURONX_DOT_CHUNK_BYTES (0: kChunkBytes' default; tests set it to hand out
-// one block at a time) and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the weights' prefetch hint at several
-// rows of x) are defined in front of this file.
+// one block at a time), OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the
+// weights' prefetch hint at one and at several rows of x) are defined in front of this file.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -136,6 +138,7 @@ struct Avx512Lanes : PlainX {
   static constexpr int kBlockRows = 4;
 };
 
+#if OPTIMUM_NEURONX_DOT_BF16_NATIVE
 struct BFloat16Lines : Avx512Lanes {
   using Element = uint16_t;
   using XElement = uint16_t;
@@ -160,6 +163,62 @@ struct BFloat16Lines : Avx512Lanes {
   }
   static inline Element store(float sum) { return round_to_bf16(sum); }
 };
+#else
+// AVX-512 without avx512_bf16: a line of 32 bfloat16 weights widened to float32 by a shift (its even elements) and a
+// mask (its odd ones), two multiply-adds of 16 lanes per row of x, against x stored widened in that order
+// (copy_x_row) -- the AVX2 variant's scheme at twice the width, half its instructions per line.
+struct BFloat16Lines : Avx512Lanes {
+  using Element = uint16_t;
+  using XElement = float;
+  struct Vector {
+    __m512 even, odd;
+  };
+  using XLine = Vector;  // a line of x as two halves in the weights' order
+  static constexpr int64_t kLine = kLineBytes / sizeof(Element);
+  static constexpr int64_t kShortRowsBytes = 0;  // x is float32 here: blocks at every length, as Float32Lines
+  static constexpr int64_t kPieceBytes = 0;
+  using Avx512Lanes::keep_in_register;
+  __attribute__((always_inline)) static inline void keep_in_register(Vector& value) {
+    asm("" : "+v"(value.even), "+v"(value.odd));
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Vector widen(__m512i w) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Vector load(const Element* p) {
+    return widen(_mm512_loadu_si512(p));
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Vector load_first(const Element* p,
+                                                                                           int64_t count) {
+    return widen(_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << count) - 1), p));
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline XLine load_x(const XElement* x) {
+    return {_mm512_load_ps(x), _mm512_load_ps(x + 16)};
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512 multiply_add(
+      __m512 acc, const Vector& w, const XLine& x) {
+    return _mm512_fmadd_ps(w.odd, x.odd, _mm512_fmadd_ps(w.even, x.even, acc));
+  }
+  static inline Element store(float sum) { return round_to_bf16(sum); }
+  // x widened to float32, each line in load()'s order: x[i + 2j] at 32 * (i / 32) + j, x[i + 2j + 1] 16 further.
+  __attribute__((target("avx512f,avx512bw"))) static void copy_x_row(XElement* dst, const Element* x, int64_t k,
+                                                                      int64_t col_stride, int64_t k_padded) {
+    int64_t i = 0;
+    if (col_stride == 1) {
+      for (; i + kLine <= k; i += kLine) {
+        const Vector line = load(x + i);
+        _mm512_store_ps(dst + i, line.even);
+        _mm512_store_ps(dst + i + 16, line.odd);
+      }
+    }
+    __builtin_memset(dst + i, 0, (k_padded - i) * sizeof(XElement));
+    for (; i < k; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(x[i * col_stride]) << 16;
+      __builtin_memcpy(dst + i / kLine * kLine + (i % 2) * 16 + (i % kLine) / 2, &bits, sizeof(bits));
+    }
+  }
+};
+#endif
 
 struct Float32Lines : Avx512Lanes {
   using Element = float;
@@ -188,7 +247,11 @@ struct Float32Lines : Avx512Lanes {
 
 // One target for both element types (GCC inlines intrinsics only into functions that enable their instruction
 // set); the float32 instantiations emit no bfloat16 instruction and run on any AVX-512 CPU.
+#if OPTIMUM_NEURONX_DOT_BF16_NATIVE
 #define OPTIMUM_NEURONX_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16"), optimize("O3")))
+#else
+#define OPTIMUM_NEURONX_DOT_TARGET __attribute__((target("avx512f,avx512bw"), optimize("O3")))
+#endif
 #else
 
 // AVX2: 16 vector registers of 8 float32 lanes. A 64-byte line takes two accumulators (float32: its halves;
@@ -319,11 +382,11 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
     // Weights are read once per step, so prefetches keep memory busy. One whole row: `ahead` elements further
     // (inductor_codegen.py measured the distance for Inductor's own loops). A block of whole rows: the next
     // block, front to back, C lines per step (a few KiB ahead in each row pointed into this block). The hint:
-    // non-temporal at one row of x (evicts nothing); at several, OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY, which
-    // depends on the CPU (inductor_kernels.py).
+    // OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY at one row of x, OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY at several;
+    // both depend on the CPU (inductor_kernels.py).
     if (!kTail)
       __builtin_prefetch(C == 1 || kPieces ? row + c * k + i + ahead : row + C * k + C * i + c * line, 0,
-                         R == 1 ? 0 : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY);
+                         R == 1 ? OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY);
     w[c] = kTail ? Lines::load_first(row + c * k + i, k - i) : Lines::load(row + c * k + i);
     if (R > 1) Lines::keep_in_register(w[c]);
   }
