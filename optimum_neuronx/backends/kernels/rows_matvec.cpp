@@ -53,6 +53,19 @@ struct PlainX {
   }
 };
 
+// The bfloat16 variants that widen x to float32 (AVX-512 without avx512_bf16, AVX2) keep each group of kGroup
+// elements as its even elements, then its odd ones: x[i + 2j] at kGroup * (i / kGroup) + j, x[i + 2j + 1] kGroup / 2
+// further. This writes x's elements from i on one at a time in that order (the row's tail, or a strided row), and
+// zeros the rest of the row up to k_padded.
+template <int kGroup>
+inline void widen_x_tail(float* dst, const uint16_t* x, int64_t i, int64_t k, int64_t col_stride, int64_t k_padded) {
+  __builtin_memset(dst + i, 0, (k_padded - i) * sizeof(float));
+  for (; i < k; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(x[i * col_stride]) << 16;
+    __builtin_memcpy(dst + i / kGroup * kGroup + (i % 2) * (kGroup / 2) + (i % kGroup) / 2, &bits, sizeof(bits));
+  }
+}
+
 // One element type's 64-byte line of weight, for one instruction set: Acc, the float32 lanes it is summed into
 // (zero, add, reduce); load a weight line (whole, or its first `count` elements); XElement, x as the kernel keeps
 // it (copy_x_row: x's row into that form, zero-padded to whole lines), and load_x, one line of it for
@@ -211,11 +224,7 @@ struct BFloat16Lines : Avx512Lanes {
         _mm512_store_ps(dst + i + 16, line.odd);
       }
     }
-    __builtin_memset(dst + i, 0, (k_padded - i) * sizeof(XElement));
-    for (; i < k; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(x[i * col_stride]) << 16;
-      __builtin_memcpy(dst + i / kLine * kLine + (i % 2) * 16 + (i % kLine) / 2, &bits, sizeof(bits));
-    }
+    widen_x_tail<kLine>(dst, x, i, k, col_stride, k_padded);
   }
 };
 #endif
@@ -356,11 +365,7 @@ struct BFloat16Lines : Avx2Lanes {
         _mm256_store_ps(dst + i + 8, odd);
       }
     }
-    __builtin_memset(dst + i, 0, (k_padded - i) * sizeof(XElement));
-    for (; i < k; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(x[i * col_stride]) << 16;
-      __builtin_memcpy(dst + i / 16 * 16 + (i % 2) * 8 + (i % 16) / 2, &bits, sizeof(bits));
-    }
+    widen_x_tail<16>(dst, x, i, k, col_stride, k_padded);
   }
 };
 
