@@ -62,26 +62,34 @@ def _runs_here(isa, dtype):
 
 PIECES = 4096
 CHUNK_BYTES = 1
-VARIANTS = [(isa, dtype, pieces) for pieces in (-1, PIECES) for isa in DOT_ISA for dtype in DOT_ISA[isa]]
+# The AVX-512 float32 kernel as some CPUs are tuned to run it (inductor_kernels.FLOAT32_ROWS_PIECE_BYTES): several
+# rows of x one weight row at a time, in pieces of at most this many bytes (all rows), which cuts every several-row
+# shape above past 2 KiB (2 x 576 into 3 pieces, 4 x 3300 into 26); the other variants keep its blocks whatever
+# this CPU's tuning says, so both paths run on every AVX-512 host.
+ROWS_PIECES = 2048
+VARIANTS = [(isa, dtype, pieces, 0) for pieces in (-1, PIECES) for isa in DOT_ISA for dtype in DOT_ISA[isa]]
+VARIANTS.append(("avx512", torch.float32, -1, ROWS_PIECES))
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[
     f"{isa}-{'bf16' if dtype == torch.bfloat16 else 'fp32'}{'-pieces-blocks' if pieces > 0 else ''}"
-    for isa, dtype, pieces in VARIANTS])
+    f"{'-rows-in-pieces' if rows_pieces else ''}" for isa, dtype, pieces, rows_pieces in VARIANTS])
 def kernel_package(request, tmp_path_factory):
     from torch._inductor.package import package_aoti
 
-    from optimum_neuronx.backends.inductor_kernels import c_shim_options
+    from optimum_neuronx.backends import inductor_kernels
 
-    isa, dtype, pieces = request.param
+    isa, dtype, pieces, rows_pieces = request.param
     if not _runs_here(isa, dtype):
         pytest.skip(f"rows_matvec's {isa} {dtype} kernel needs {' and '.join(DOT_ISA[isa][dtype])} and GCC or Clang")
     module, args = _Projections(dtype).eval(), _inputs(dtype)
     program = torch.export.export(module, args, strict=False)
     small = pieces > 0  # pieces of x and chunks of one block of weight rows
-    files = torch._inductor.aot_compile(program.module(), args, options={
-        "aot_inductor.package": True,
-        **c_shim_options(4, isa, piece_bytes=pieces, chunk_bytes=CHUNK_BYTES if small else 0)})
+    tuning = {**inductor_kernels.kernel_tuning(), "float32_rows_piece_bytes": rows_pieces}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(inductor_kernels, "kernel_tuning", lambda: tuning)
+        options = inductor_kernels.c_shim_options(4, isa, piece_bytes=pieces, chunk_bytes=CHUNK_BYTES if small else 0)
+    files = torch._inductor.aot_compile(program.module(), args, options={"aot_inductor.package": True, **options})
     return package_aoti(str(tmp_path_factory.mktemp("kernel") / "kernel.pt2"), files), module, args
 
 
@@ -269,28 +277,31 @@ def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa
     assert BACKEND.missing_target_support(target) == ""
 
 
-@pytest.mark.parametrize("cpuinfo, identity, one_row, several_rows", [
+@pytest.mark.parametrize("cpuinfo, identity, one_row, several_rows, float32_pieces", [
     ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n", ("AuthenticAMD", 26),
-     0, 0),
-    ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1),
-    ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1),
-    ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1),  # no x86 fields (e.g. aarch64)
+     0, 0, 0),
+    ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1, 16384),
+    ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1, 0),
+    ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1, 0),  # no x86 fields (e.g. aarch64)
 ])
-def test_prefetch_hints_follow_the_cpu(cpuinfo, identity, one_row, several_rows, tmp_path, monkeypatch):
+def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows, float32_pieces, tmp_path,
+                                       monkeypatch):
     from optimum_neuronx.backends import inductor_codegen, inductor_kernels
 
     path = tmp_path / "cpuinfo"
     path.write_text(cpuinfo)
     assert inductor_kernels.cpu_identity(str(path)) == identity
     monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
-    tuning = {"row_prefetch_locality": one_row, "rows_prefetch_locality": several_rows}
+    tuning = {"row_prefetch_locality": one_row, "rows_prefetch_locality": several_rows,
+              "float32_rows_piece_bytes": float32_pieces}
     assert inductor_kernels.kernel_tuning() == tuning
     # the kernel is compiled with them, Inductor's row reductions prefetch with the one-row hint, and exports
-    # (and their compile-cache keys) carry both
+    # (and their compile-cache keys) carry them all
     shims = inductor_kernels.c_shim_options(4, "avx512")["aot_inductor.custom_ops_to_c_shims"]
     source = shims[torch.ops.optimum_neuronx.rows_matvec.default][0]
     assert f"#define OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY {one_row}\n" in source
     assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {several_rows}\n" in source
+    assert f"#define OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES {float32_pieces}\n" in source
     assert inductor_codegen.row_prefetch_locality() == one_row
     assert BACKEND.codegen_options()["kernel_tuning"] == tuning
     assert BACKEND.codegen_options()["row_prefetch_locality"] == one_row

@@ -58,6 +58,13 @@ DEFAULT_ROW_PREFETCH_LOCALITY = 0
 # rounds), but batch-4 token steps with either, in processes taking turns, could not be told apart (0.87-1.21x).
 ROWS_PREFETCH_LOCALITY = {("AuthenticAMD", 26): 0}
 DEFAULT_ROWS_PREFETCH_LOCALITY = 1
+# float32 at several rows of x on AVX-512, per CPU where measured, else the default: 0, blocks of 4 weight rows with
+# x's rows whole; > 0, one weight row at a time with x in pieces of at most that many bytes (all rows together). Zen 4
+# (AMD family 25; its AVX-512 CPUs): the 1.1B shape's projections at 4 rows streamed ~1.09x faster in pieces of 16
+# KiB (C harness, 2 threads, fast memory phases; 24 KiB 1.05x, 32 KiB 0.7x), SmolLM2's within noise
+# (docs/performance.md, "Float32 at 4 rows on Zen 4").
+FLOAT32_ROWS_PIECE_BYTES = {("AuthenticAMD", 25): 16384}
+DEFAULT_FLOAT32_ROWS_PIECE_BYTES = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,7 +93,8 @@ def kernel_tuning() -> dict:
     """The kernels' CPU-dependent constants; stamped into exports next to the kernels' digests."""
     identity = cpu_identity()
     return {"row_prefetch_locality": ROW_PREFETCH_LOCALITY.get(identity, DEFAULT_ROW_PREFETCH_LOCALITY),
-            "rows_prefetch_locality": ROWS_PREFETCH_LOCALITY.get(identity, DEFAULT_ROWS_PREFETCH_LOCALITY)}
+            "rows_prefetch_locality": ROWS_PREFETCH_LOCALITY.get(identity, DEFAULT_ROWS_PREFETCH_LOCALITY),
+            "float32_rows_piece_bytes": FLOAT32_ROWS_PIECE_BYTES.get(identity, DEFAULT_FLOAT32_ROWS_PIECE_BYTES)}
 
 
 # The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86
@@ -120,7 +128,8 @@ def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes
                "OPTIMUM_NEURONX_DOT_PIECE_BYTES": piece_bytes,
                "OPTIMUM_NEURONX_DOT_CHUNK_BYTES": chunk_bytes,
                "OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY": tuning["row_prefetch_locality"],
-               "OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY": tuning["rows_prefetch_locality"]}
+               "OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY": tuning["rows_prefetch_locality"],
+               "OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES": tuning["float32_rows_piece_bytes"]}
     names = (ROWS_MATVEC, DECODE_ATTENTION) if attention else (ROWS_MATVEC,)
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items())
     source += "".join(kernel_source(name) for name in names)

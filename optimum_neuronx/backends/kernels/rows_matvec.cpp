@@ -19,7 +19,8 @@
 // OPTIMUM_NEURONX_DOT_PIECE_BYTES (-1: each variant's own kPieceBytes; tests set it to cut rows into pieces where
 // the variant takes them whole), OPTIMUM_NEURONX_DOT_CHUNK_BYTES (0: kChunkBytes' default; tests set it to hand out
 // one block at a time), OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the
-// weights' prefetch hint at one and at several rows of x) are defined in front of this file.
+// weights' prefetch hint at one and at several rows of x) and OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES (AVX-512
+// float32 at several rows: 0, blocks; else pieces, see Float32Lines) are defined in front of this file.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -81,10 +82,11 @@ inline void widen_x_tail(float* dst, const uint16_t* x, int64_t i, int64_t k, in
 // - Long rows: x no longer stays in L1 next to the streaming weights. The 1.1B shape's float32 projections of 2048
 //   inputs (32 KiB at 4 rows) one weight row at a time 1.03x slower than blocks, of 5632 (88 KiB) 1.40x slower;
 //   its bfloat16 down projection (5632, 45 KiB) in blocks 1.15x (slow phase) / 1.04x (fast) faster than in pieces
-//   of 24 KiB, and the batch-4 bfloat16 token graph 1.08x faster.
+//   of 24 KiB, and the batch-4 bfloat16 token graph 1.08x faster. On Zen 4 float32 goes the other way (pieces of
+//   16 KiB, Float32Lines::kRowsPieceBytes): the 1.1B shape's 4-row projections 1.09x faster, its token graph ~1.1x.
 // At 2 or 3 rows not measured. One row takes one weight row at a time (~10% faster than blocks, Zen 4).
 // kPieceBytes: the most bytes of one row of x one pass over the weight rows takes (piece_columns; 0: whole rows);
-// several rows are taken whole where the variant has blocks. AVX-512, measured on the 1.1B shape's projections (22
+// kRowsPieceBytes the same for several rows, which are taken whole where the variant has blocks. AVX-512, measured on the 1.1B shape's projections (22
 // layers of each from memory, 2 threads, a slow memory phase, ~32 GB/s; Zen 4): 4 bfloat16 rows of 5632 (45 KiB)
 // whole, one weight row at a time, streamed at 0.64x one row of x, in pieces of at most 24 KiB 0.98x.
 #if OPTIMUM_NEURONX_DOT_AVX512
@@ -149,6 +151,7 @@ struct Avx512Lanes : PlainX {
     return accumulators >= 16 ? 1 : 16 / accumulators < 4 ? 16 / accumulators : 4;
   }
   static constexpr int kBlockRows = 4;
+  static constexpr int64_t kRowsPieceBytes = 0;  // several rows of x: in blocks, whole
 };
 
 #if OPTIMUM_NEURONX_DOT_BF16_NATIVE
@@ -159,7 +162,7 @@ struct BFloat16Lines : Avx512Lanes {
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int64_t kShortRowsBytes = 24576;
-  static constexpr int64_t kPieceBytes = 24576;
+  static constexpr int64_t kPieceBytes = 24576, kRowsPieceBytes = 24576;
   __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline Vector load(const Element* p) {
     return (Vector)_mm512_loadu_si512(p);
   }
@@ -235,8 +238,13 @@ struct Float32Lines : Avx512Lanes {
   using Vector = __m512;
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
-  static constexpr int64_t kShortRowsBytes = 0;  // blocks at every length
+  static constexpr int64_t kShortRowsBytes = 0;  // blocks at every length, where there are blocks (below)
   static constexpr int64_t kPieceBytes = 0;
+  // Several rows of x: blocks of 4 weight rows with x's rows whole (0, the default), or, where measured faster
+  // (OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES > 0, per CPU: inductor_kernels.py), one weight row at a time with x in
+  // pieces of at most that many bytes, which stay in L1 next to the one stream of weights.
+  static constexpr int64_t kRowsPieceBytes = OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES;
+  static constexpr int kBlockRows = kRowsPieceBytes > 0 ? 1 : 4;
   __attribute__((target("avx512f"), always_inline)) static inline Vector load(const Element* p) {
     return _mm512_loadu_ps(p);
   }
@@ -290,7 +298,7 @@ struct Avx2Lanes : PlainX {
   // 4-cycle multiply-adds, two per cycle on Zen 3: ~8 chains, i.e. 4 line accumulators, keep it busy.
   static constexpr int lines_per_step(int accumulators) { return accumulators >= 3 ? 1 : accumulators >= 2 ? 2 : 4; }
   static constexpr int kBlockRows = 1;  // no blocks: kShortRowsBytes is not read
-  static constexpr int64_t kPieceBytes = 0;
+  static constexpr int64_t kPieceBytes = 0, kRowsPieceBytes = 0;
   using XElement = float;
   using XLine = const float*;
   __attribute__((target("avx2,fma"), always_inline)) static inline XLine load_x(const float* x) { return x; }
@@ -480,15 +488,17 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_piece(const typename Lines::Element* __restr
                                     y);
 }
 
-// Input columns per piece for R rows of k: as few pieces as keep to Lines::kPieceBytes each (all R rows together),
-// of even size in whole 64-byte lines; at least k (whole rows, no partial sums) when kPieceBytes is 0, and for
-// several rows where Lines has blocks (dot_rows). One weight row at a time reads the input rows once per weight
-// row, so they must stay in L1 next to the streaming weights: each piece is then done for all weight rows of a
-// thread before the next, its float32 sums kept in `partial`.
+// Input columns per piece for R rows of k: as few pieces as keep to Lines::kPieceBytes (one row) or
+// Lines::kRowsPieceBytes (several rows) each (all R rows together), of even size in whole 64-byte lines; at least k
+// (whole rows, no partial sums) where that is 0, and for several rows where Lines has blocks (dot_rows). One weight
+// row at a time reads the input rows once per weight row, so they must stay in L1 next to the streaming weights:
+// each piece is then done for all weight rows of a thread before the next, its float32 sums kept in `partial`.
 template <typename Lines>
 int64_t piece_columns(int rows, int64_t k) {
   constexpr int64_t line = Lines::kLine;
-  constexpr int64_t bytes = OPTIMUM_NEURONX_DOT_PIECE_BYTES >= 0 ? OPTIMUM_NEURONX_DOT_PIECE_BYTES : Lines::kPieceBytes;
+  const int64_t bytes = OPTIMUM_NEURONX_DOT_PIECE_BYTES >= 0 ? OPTIMUM_NEURONX_DOT_PIECE_BYTES
+                        : rows > 1                            ? Lines::kRowsPieceBytes
+                                                              : Lines::kPieceBytes;
   if (bytes == 0 || (rows > 1 && Lines::kBlockRows > 1)) return k;
   int64_t most = bytes / (rows * int64_t(sizeof(typename Lines::XElement))) / line * line;
   if (most < line) most = line;
