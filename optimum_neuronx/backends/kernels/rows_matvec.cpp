@@ -86,9 +86,10 @@ inline void widen_x_tail(float* dst, const uint16_t* x, int64_t i, int64_t k, in
 //   16 KiB, Float32Lines::kRowsPieceBytes): the 1.1B shape's 4-row projections 1.09x faster, its token graph ~1.1x.
 // At 2 or 3 rows not measured. One row takes one weight row at a time (~10% faster than blocks, Zen 4).
 // kPieceBytes: the most bytes of one row of x one pass over the weight rows takes (piece_columns; 0: whole rows);
-// kRowsPieceBytes the same for several rows, which are taken whole where the variant has blocks. AVX-512, measured on the 1.1B shape's projections (22
-// layers of each from memory, 2 threads, a slow memory phase, ~32 GB/s; Zen 4): 4 bfloat16 rows of 5632 (45 KiB)
-// whole, one weight row at a time, streamed at 0.64x one row of x, in pieces of at most 24 KiB 0.98x.
+// kRowsPieceBytes the same for several rows, which are taken whole where the variant has blocks. AVX-512, measured
+// on the 1.1B shape's projections (22 layers of each from memory, 2 threads, a slow memory phase, ~32 GB/s; Zen 4):
+// 4 bfloat16 rows of 5632 (45 KiB) whole, one weight row at a time, streamed at 0.64x one row of x, in pieces of at
+// most 24 KiB 0.98x.
 #if OPTIMUM_NEURONX_DOT_AVX512
 struct Avx512Lanes : PlainX {
   using Acc = __m512;
