@@ -163,7 +163,7 @@ struct BFloat16Lines : Avx512Lanes {
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int64_t kShortRowsBytes = 24576;
-  static constexpr int64_t kPieceBytes = 24576, kRowsPieceBytes = 24576;
+  static constexpr int64_t kPieceBytes = 24576;  // several rows: kRowsPieceBytes 0, as short rows fit one piece
   __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline Vector load(const Element* p) {
     return (Vector)_mm512_loadu_si512(p);
   }
