@@ -277,15 +277,15 @@ def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa
     assert BACKEND.missing_target_support(target) == ""
 
 
-@pytest.mark.parametrize("cpuinfo, identity, one_row, several_rows, float32_pieces", [
+@pytest.mark.parametrize("cpuinfo, identity, one_row, several_rows, float32_pieces, bfloat16_prefetch", [
     ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n", ("AuthenticAMD", 26),
-     0, 0, 0),
-    ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1, 16384),
-    ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1, 0),
-    ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1, 0),  # no x86 fields (e.g. aarch64)
+     0, 0, 0, 1),
+    ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1, 16384, 0),
+    ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1, 0, 1),
+    ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1, 0, 1),  # no x86 fields (e.g. aarch64)
 ])
-def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows, float32_pieces, tmp_path,
-                                       monkeypatch):
+def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows, float32_pieces, bfloat16_prefetch,
+                                       tmp_path, monkeypatch):
     from optimum_neuronx.backends import inductor_codegen, inductor_kernels
 
     path = tmp_path / "cpuinfo"
@@ -293,7 +293,7 @@ def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows,
     assert inductor_kernels.cpu_identity(str(path)) == identity
     monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
     tuning = {"row_prefetch_locality": one_row, "rows_prefetch_locality": several_rows,
-              "float32_rows_piece_bytes": float32_pieces}
+              "float32_rows_piece_bytes": float32_pieces, "bfloat16_row_prefetch": bfloat16_prefetch}
     assert inductor_kernels.kernel_tuning() == tuning
     # the kernel is compiled with them, Inductor's row reductions prefetch with the one-row hint, and exports
     # (and their compile-cache keys) carry them all
@@ -302,6 +302,7 @@ def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows,
     assert f"#define OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY {one_row}\n" in source
     assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {several_rows}\n" in source
     assert f"#define OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES {float32_pieces}\n" in source
+    assert f"#define OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH {bfloat16_prefetch}\n" in source
     assert inductor_codegen.row_prefetch_locality() == one_row
     assert BACKEND.codegen_options()["kernel_tuning"] == tuning
     assert BACKEND.codegen_options()["row_prefetch_locality"] == one_row

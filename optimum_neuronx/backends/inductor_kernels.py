@@ -65,6 +65,15 @@ DEFAULT_ROWS_PREFETCH_LOCALITY = 1
 # (docs/performance.md, "Float32 at 4 rows on Zen 4").
 FLOAT32_ROWS_PIECE_BYTES = {("AuthenticAMD", 25): 16384}
 DEFAULT_FLOAT32_ROWS_PIECE_BYTES = 0
+# Whether rows_matvec prefetches the weights at one row of bfloat16 x (avx512_bf16, whole rows), per CPU where
+# measured, else the default: 1, with ROW_PREFETCH_LOCALITY's hint. Zen 4 (AMD family 25): 0, its hardware
+# prefetchers alone. There every load of a line, x's from L1 and the prefetches included, seems to count against the
+# misses a core keeps in flight: in fast memory phases a plain read of the 1.1B shape's weights streamed ~58 GB/s,
+# 0.8x that with a load of x beside each line or with a prefetch per line, and the kernel without its prefetch
+# 1.06-1.10x faster than with it (C harness, 2 threads; SmolLM2's shapes 1.12x, slow phases ~1.0x); token steps
+# 1.04x (1.1B shape) and 1.05x (SmolLM2) faster, exports taking turns in one process (docs/performance.md).
+BFLOAT16_ROW_PREFETCH = {("AuthenticAMD", 25): 0}
+DEFAULT_BFLOAT16_ROW_PREFETCH = 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +103,8 @@ def kernel_tuning() -> dict:
     identity = cpu_identity()
     return {"row_prefetch_locality": ROW_PREFETCH_LOCALITY.get(identity, DEFAULT_ROW_PREFETCH_LOCALITY),
             "rows_prefetch_locality": ROWS_PREFETCH_LOCALITY.get(identity, DEFAULT_ROWS_PREFETCH_LOCALITY),
-            "float32_rows_piece_bytes": FLOAT32_ROWS_PIECE_BYTES.get(identity, DEFAULT_FLOAT32_ROWS_PIECE_BYTES)}
+            "float32_rows_piece_bytes": FLOAT32_ROWS_PIECE_BYTES.get(identity, DEFAULT_FLOAT32_ROWS_PIECE_BYTES),
+            "bfloat16_row_prefetch": BFLOAT16_ROW_PREFETCH.get(identity, DEFAULT_BFLOAT16_ROW_PREFETCH)}
 
 
 # The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86
@@ -129,7 +139,8 @@ def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes
                "OPTIMUM_NEURONX_DOT_CHUNK_BYTES": chunk_bytes,
                "OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY": tuning["row_prefetch_locality"],
                "OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY": tuning["rows_prefetch_locality"],
-               "OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES": tuning["float32_rows_piece_bytes"]}
+               "OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES": tuning["float32_rows_piece_bytes"],
+               "OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH": tuning["bfloat16_row_prefetch"]}
     names = (ROWS_MATVEC, DECODE_ATTENTION) if attention else (ROWS_MATVEC,)
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items())
     source += "".join(kernel_source(name) for name in names)

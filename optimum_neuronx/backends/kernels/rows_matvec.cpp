@@ -19,8 +19,9 @@
 // OPTIMUM_NEURONX_DOT_PIECE_BYTES (-1: each variant's own kPieceBytes; tests set it to cut rows into pieces where
 // the variant takes them whole), OPTIMUM_NEURONX_DOT_CHUNK_BYTES (0: kChunkBytes' default; tests set it to hand out
 // one block at a time), OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the
-// weights' prefetch hint at one and at several rows of x) and OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES (AVX-512
-// float32 at several rows: 0, blocks; else pieces, see Float32Lines) are defined in front of this file.
+// weights' prefetch hint at one and at several rows of x), OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES (AVX-512
+// float32 at several rows: 0, blocks; else pieces, see Float32Lines) and OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH
+// (avx512_bf16 at one row: 0, no prefetch) are defined in front of this file.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -153,6 +154,7 @@ struct Avx512Lanes : PlainX {
   }
   static constexpr int kBlockRows = 4;
   static constexpr int64_t kRowsPieceBytes = 0;  // several rows of x: in blocks, whole
+  static constexpr bool kRowPrefetch = true;  // one row of x, rows whole: prefetch the weights (add_line)
 };
 
 #if OPTIMUM_NEURONX_DOT_BF16_NATIVE
@@ -164,6 +166,8 @@ struct BFloat16Lines : Avx512Lanes {
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int64_t kShortRowsBytes = 24576;
   static constexpr int64_t kPieceBytes = 24576;  // several rows: kRowsPieceBytes 0, as short rows fit one piece
+  // One row, whole: whether to prefetch the weights (inductor_kernels.py's BFLOAT16_ROW_PREFETCH; not on Zen 4).
+  static constexpr bool kRowPrefetch = OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH != 0;
   __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline Vector load(const Element* p) {
     return (Vector)_mm512_loadu_si512(p);
   }
@@ -300,6 +304,7 @@ struct Avx2Lanes : PlainX {
   static constexpr int lines_per_step(int accumulators) { return accumulators >= 3 ? 1 : accumulators >= 2 ? 2 : 4; }
   static constexpr int kBlockRows = 1;  // no blocks: kShortRowsBytes is not read
   static constexpr int64_t kPieceBytes = 0, kRowsPieceBytes = 0;
+  static constexpr bool kRowPrefetch = true;
   using XElement = float;
   using XLine = const float*;
   __attribute__((target("avx2,fma"), always_inline)) static inline XLine load_x(const float* x) { return x; }
@@ -397,8 +402,8 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
     // (inductor_codegen.py measured the distance for Inductor's own loops). A block of whole rows: the next
     // block, front to back, C lines per step (a few KiB ahead in each row pointed into this block). The hint:
     // OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY at one row of x, OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY at several;
-    // both depend on the CPU (inductor_kernels.py).
-    if (!kTail)
+    // both depend on the CPU (inductor_kernels.py), as does whether one whole row prefetches (Lines::kRowPrefetch).
+    if (!kTail && (R > 1 || kPieces || Lines::kRowPrefetch))
       __builtin_prefetch(C == 1 || kPieces ? row + c * k + i + ahead : row + C * k + C * i + c * line, 0,
                          R == 1 ? OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY);
     w[c] = kTail ? Lines::load_first(row + c * k + i, k - i) : Lines::load(row + c * k + i);
