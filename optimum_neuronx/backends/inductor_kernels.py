@@ -131,16 +131,14 @@ def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes
         raise ValueError(f"our kernels have no {isa!r} variant; they have {sorted(DOT_KERNEL_ISAS)}.")
     # Inductor writes each string as `extern <string>;` inside an `extern "C" { ... }` block: `extern "C++" { ... }`
     # gives the source its own linkage block, in which the shim functions declare themselves extern "C".
-    tuning = kernel_tuning()
     defines = {"OPTIMUM_NEURONX_ROW_PREFETCH_BYTES": ROW_PREFETCH_BYTES,
                "OPTIMUM_NEURONX_DOT_AVX512": int(isa.startswith("avx512")),
                "OPTIMUM_NEURONX_DOT_BF16_NATIVE": int(isa == "avx512_bf16"),
                "OPTIMUM_NEURONX_DOT_PIECE_BYTES": piece_bytes,
-               "OPTIMUM_NEURONX_DOT_CHUNK_BYTES": chunk_bytes,
-               "OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY": tuning["row_prefetch_locality"],
-               "OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY": tuning["rows_prefetch_locality"],
-               "OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES": tuning["float32_rows_piece_bytes"],
-               "OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH": tuning["bfloat16_row_prefetch"]}
+               "OPTIMUM_NEURONX_DOT_CHUNK_BYTES": chunk_bytes}
+    # Each kernel_tuning entry is compiled in under its own name: "row_prefetch_locality" ->
+    # OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY.
+    defines.update({f"OPTIMUM_NEURONX_{name.upper()}": value for name, value in kernel_tuning().items()})
     names = (ROWS_MATVEC, DECODE_ATTENTION) if attention else (ROWS_MATVEC,)
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items())
     source += "".join(kernel_source(name) for name in names)
