@@ -67,13 +67,19 @@ FLOAT32_ROWS_PIECE_BYTES = {("AuthenticAMD", 25): 16384}
 DEFAULT_FLOAT32_ROWS_PIECE_BYTES = 0
 # Whether rows_matvec prefetches the weights at one row of bfloat16 x (avx512_bf16, whole rows), per CPU where
 # measured, else the default: 1, with ROW_PREFETCH_LOCALITY's hint. Zen 4 (AMD family 25): 0, its hardware
-# prefetchers alone. There every load of a line, x's from L1 and the prefetches included, seems to count against the
-# misses a core keeps in flight: in fast memory phases a plain read of the 1.1B shape's weights streamed ~58 GB/s,
-# 0.8x that with a load of x beside each line or with a prefetch per line, and the kernel without its prefetch
-# 1.06-1.10x faster than with it (C harness, 2 threads; SmolLM2's shapes 1.12x, slow phases ~1.0x); token steps
-# 1.04x (1.1B shape) and 1.05x (SmolLM2) faster, exports taking turns in one process (docs/performance.md).
+# prefetchers alone. In fast memory phases the kernel without its prefetch streamed the 1.1B shape's weights
+# 1.06-1.10x faster than with it (C harness, 2 threads; SmolLM2's shapes 1.12x, slow phases ~1.0x) and ran token
+# steps 1.04x (1.1B shape) and 1.05x (SmolLM2) faster, exports taking turns in one process; with x out of order
+# (BFLOAT16_ROW_SWIZZLED_X) the prefetch still costs (0.89x, SmolLM2's shapes 0.96x) (docs/performance.md).
 BFLOAT16_ROW_PREFETCH = {("AuthenticAMD", 25): 0}
 DEFAULT_BFLOAT16_ROW_PREFETCH = 1
+# Whether rows_matvec keeps one row of bfloat16 x (avx512_bf16) with its 64-byte lines out of order (x_line_slot in
+# rows_matvec.cpp), per CPU where measured, else the default: 0, in order. Zen 4 (AMD family 25): 1. There x read
+# in order beside the weights held the stream at ~0.88x a plain read of the weights in fast memory phases; out of
+# order the kernel streamed the 1.1B shape's projections 1.13x and SmolLM2's 1.19x faster, as fast as the plain
+# read (C harness, 2 threads; slow phases 1.03x) (docs/performance.md, "x's lines out of order").
+BFLOAT16_ROW_SWIZZLED_X = {("AuthenticAMD", 25): 1}
+DEFAULT_BFLOAT16_ROW_SWIZZLED_X = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +110,8 @@ def kernel_tuning() -> dict:
     return {"row_prefetch_locality": ROW_PREFETCH_LOCALITY.get(identity, DEFAULT_ROW_PREFETCH_LOCALITY),
             "rows_prefetch_locality": ROWS_PREFETCH_LOCALITY.get(identity, DEFAULT_ROWS_PREFETCH_LOCALITY),
             "float32_rows_piece_bytes": FLOAT32_ROWS_PIECE_BYTES.get(identity, DEFAULT_FLOAT32_ROWS_PIECE_BYTES),
-            "bfloat16_row_prefetch": BFLOAT16_ROW_PREFETCH.get(identity, DEFAULT_BFLOAT16_ROW_PREFETCH)}
+            "bfloat16_row_prefetch": BFLOAT16_ROW_PREFETCH.get(identity, DEFAULT_BFLOAT16_ROW_PREFETCH),
+            "bfloat16_row_swizzled_x": BFLOAT16_ROW_SWIZZLED_X.get(identity, DEFAULT_BFLOAT16_ROW_SWIZZLED_X)}
 
 
 # The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86

@@ -20,8 +20,9 @@
 // the variant takes them whole), OPTIMUM_NEURONX_DOT_CHUNK_BYTES (0: kChunkBytes' default; tests set it to hand out
 // one block at a time), OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the
 // weights' prefetch hint at one and at several rows of x), OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES (AVX-512
-// float32 at several rows: 0, blocks; else pieces, see Float32Lines) and OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH
-// (avx512_bf16 at one row: 0, no prefetch) are defined in front of this file.
+// float32 at several rows: 0, blocks; else pieces, see Float32Lines), OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH
+// (avx512_bf16 at one row: 0, no prefetch) and OPTIMUM_NEURONX_BFLOAT16_ROW_SWIZZLED_X (avx512_bf16 at one row: 1,
+// x's lines out of order, see x_line_slot) are defined in front of this file.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -32,6 +33,19 @@ namespace optimum_neuronx_kernels {
 
 constexpr int kMaxRows = 4;  // rows of x per pass over the weight (one accumulator each per weight row)
 constexpr int64_t kLineBytes = 64;
+
+// One row of x may be kept with its lines out of order (Lines::kRowSwizzledX): line l of each group of
+// kSwizzleLines at slot (5 l + the group's number) mod kSwizzleLines of its group, an order that differs from group
+// to group, while the weights are still read front to back. On Zen 4, one row of bfloat16 x read in order beside
+// the weights streamed 0.88x as fast as a plain read of them in fast memory phases; with x's lines in this order
+// (or in a random one, through a table) 1.13-1.19x faster, at the plain read's rate (C harness, docs/performance.md,
+// "x's lines out of order"). Several rows of x gained nothing there (0.95-1.02x), nor float32 at one row of the
+// 1.1B shape (1.00x; SmolLM2's 1.06x, not taken).
+constexpr int64_t kSwizzleLines = 8;
+
+inline int64_t x_line_slot(int64_t l) {
+  return (l & ~(kSwizzleLines - 1)) | ((l * 5 + l / kSwizzleLines) & (kSwizzleLines - 1));
+}
 
 inline uint16_t round_to_bf16(float value) {
   // Round to nearest even, as c10::BFloat16 does; NaN stays a quiet NaN.
@@ -155,6 +169,7 @@ struct Avx512Lanes : PlainX {
   static constexpr int kBlockRows = 4;
   static constexpr int64_t kRowsPieceBytes = 0;  // several rows of x: in blocks, whole
   static constexpr bool kRowPrefetch = true;  // one row of x, rows whole: prefetch the weights (add_line)
+  static constexpr bool kRowSwizzledX = false;  // one row of x in order (x_line_slot)
 };
 
 #if OPTIMUM_NEURONX_DOT_BF16_NATIVE
@@ -168,6 +183,8 @@ struct BFloat16Lines : Avx512Lanes {
   static constexpr int64_t kPieceBytes = 24576;  // several rows: kRowsPieceBytes 0, as short rows fit one piece
   // One row, whole: whether to prefetch the weights (inductor_kernels.py's BFLOAT16_ROW_PREFETCH; not on Zen 4).
   static constexpr bool kRowPrefetch = OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH != 0;
+  // One row: whether x's lines are kept out of order (BFLOAT16_ROW_SWIZZLED_X; on Zen 4, see x_line_slot).
+  static constexpr bool kRowSwizzledX = OPTIMUM_NEURONX_BFLOAT16_ROW_SWIZZLED_X != 0;
   __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline Vector load(const Element* p) {
     return (Vector)_mm512_loadu_si512(p);
   }
@@ -305,6 +322,7 @@ struct Avx2Lanes : PlainX {
   static constexpr int kBlockRows = 1;  // no blocks: kShortRowsBytes is not read
   static constexpr int64_t kPieceBytes = 0, kRowsPieceBytes = 0;
   static constexpr bool kRowPrefetch = true;
+  static constexpr bool kRowSwizzledX = false;
   using XElement = float;
   using XLine = const float*;
   __attribute__((target("avx2,fma"), always_inline)) static inline XLine load_x(const float* x) { return x; }
@@ -387,8 +405,9 @@ struct BFloat16Lines : Avx2Lanes {
 #endif
 
 // Adds one 64-byte line of C weight rows (from column i; only its first k - i elements when kTail) times R rows
-// of x to acc[c][r]. kPieces: the rows are read a piece at a time (dot_rows), and the prefetch reaches `ahead`
-// elements past each line: into the same piece of a later row.
+// of x (each k_padded elements; one row's lines at x_line_slot where Lines::kRowSwizzledX) to acc[c][r]. kPieces: the
+// rows are read a piece at a time (dot_rows), and the prefetch reaches `ahead` elements past each line: into the
+// same piece of a later row.
 template <typename Lines, int R, int C, bool kTail, bool kPieces>
 OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
     typename Lines::Acc (&acc)[C][R], const typename Lines::Element* __restrict row,
@@ -409,9 +428,10 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
     w[c] = kTail ? Lines::load_first(row + c * k + i, k - i) : Lines::load(row + c * k + i);
     if (R > 1) Lines::keep_in_register(w[c]);
   }
+  const int64_t x_at = R == 1 && Lines::kRowSwizzledX ? x_line_slot(i / line) * line : i;
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    typename Lines::XLine xr = Lines::load_x(x + r * k_padded + i);  // zero past k: masked-off weights multiply zeros
+    typename Lines::XLine xr = Lines::load_x(x + r * k_padded + x_at);  // zero past k: masked-off weights multiply zeros
     if (C > 1) Lines::keep_in_register(xr);
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[c][r] = Lines::multiply_add(acc[c][r], w[c], xr);
@@ -595,14 +615,37 @@ Element* kept_buffer(int64_t count) {
   return buffer;
 }
 
-// x copied into a 64-byte aligned, zero-padded buffer, in the form the kernel reads (Lines::copy_x_row): unaligned
-// 64-byte loads of x ran 2.7x slower at 4 rows.
+// Whether `rows` rows of x are kept with their lines out of order (x_line_slot).
+template <typename Lines>
+bool swizzled_x(int64_t rows) {
+  return rows == 1 && Lines::kRowSwizzledX;
+}
+
+// Elements per row of x as the kernel keeps it: whole lines, and whole groups of lines where they are out of order.
+template <typename Lines>
+int64_t padded_columns(int64_t rows, int64_t k) {
+  const int64_t unit = Lines::kLine * (swizzled_x<Lines>(rows) ? kSwizzleLines : 1);
+  return (k + unit - 1) / unit * unit;
+}
+
+// x copied into a 64-byte aligned, zero-padded buffer, in the form the kernel reads (Lines::copy_x_row; one row's
+// lines moved to their x_line_slot where swizzled_x): unaligned 64-byte loads of x ran 2.7x slower at 4 rows.
 template <typename Lines>
 const typename Lines::XElement* aligned_rows(const typename Lines::Element* x, int64_t rows, int64_t k,
                                              int64_t row_stride, int64_t col_stride, int64_t k_padded) {
-  typename Lines::XElement* buffer = kept_buffer<typename Lines::XElement, 0>(rows * k_padded);
+  using XElement = typename Lines::XElement;
+  XElement* buffer = kept_buffer<XElement, 0>(rows * k_padded);
   if (!buffer) return nullptr;
-  for (int64_t r = 0; r < rows; ++r) Lines::copy_x_row(buffer + r * k_padded, x + r * row_stride, k, col_stride, k_padded);
+  if (!swizzled_x<Lines>(rows)) {
+    for (int64_t r = 0; r < rows; ++r) Lines::copy_x_row(buffer + r * k_padded, x + r * row_stride, k, col_stride, k_padded);
+    return buffer;
+  }
+  XElement* in_order = kept_buffer<XElement, 3>(k_padded);
+  if (!in_order) return nullptr;
+  Lines::copy_x_row(in_order, x, k, col_stride, k_padded);
+  constexpr int64_t line = Lines::kLine;
+  for (int64_t l = 0; l < k_padded / line; ++l)
+    __builtin_memcpy(buffer + x_line_slot(l) * line, in_order + l * line, line * sizeof(XElement));
   return buffer;
 }
 
@@ -611,10 +654,10 @@ template <typename Lines>
 bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_data, int64_t rows, int64_t k,
                  int64_t n_out, void* y_data) {
   using Element = typename Lines::Element;
-  const int64_t k_padded = (k + Lines::kLine - 1) / Lines::kLine * Lines::kLine;
   const Element* w = static_cast<const Element*>(w_data);
   for (int64_t first = 0; first < rows; first += kMaxRows) {
     const int64_t count = rows - first < kMaxRows ? rows - first : kMaxRows;
+    const int64_t k_padded = padded_columns<Lines>(count, k);
     const typename Lines::XElement* xs = aligned_rows<Lines>(static_cast<const Element*>(x_data) + first * x_strides[0],
                                                              count, k, x_strides[0], x_strides[1], k_padded);
     const int64_t piece = piece_columns<Lines>(count, k);
