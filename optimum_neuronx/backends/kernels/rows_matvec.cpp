@@ -47,6 +47,12 @@ inline int64_t x_line_slot(int64_t l) {
   return (l & ~(kSwizzleLines - 1)) | ((l * 5 + l / kSwizzleLines) & (kSwizzleLines - 1));
 }
 
+// Whether `rows` rows of x are kept with their lines out of order (x_line_slot).
+template <typename Lines>
+constexpr bool swizzled_x(int64_t rows) {
+  return rows == 1 && Lines::kRowSwizzledX;
+}
+
 inline uint16_t round_to_bf16(float value) {
   // Round to nearest even, as c10::BFloat16 does; NaN stays a quiet NaN.
   if (value != value) return 0x7fc0;
@@ -405,7 +411,7 @@ struct BFloat16Lines : Avx2Lanes {
 #endif
 
 // Adds one 64-byte line of C weight rows (from column i; only its first k - i elements when kTail) times R rows
-// of x (each k_padded elements; one row's lines at x_line_slot where Lines::kRowSwizzledX) to acc[c][r]. kPieces: the
+// of x (each k_padded elements; one row's lines at x_line_slot where swizzled_x) to acc[c][r]. kPieces: the
 // rows are read a piece at a time (dot_rows), and the prefetch reaches `ahead` elements past each line: into the
 // same piece of a later row.
 template <typename Lines, int R, int C, bool kTail, bool kPieces>
@@ -428,7 +434,7 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
     w[c] = kTail ? Lines::load_first(row + c * k + i, k - i) : Lines::load(row + c * k + i);
     if (R > 1) Lines::keep_in_register(w[c]);
   }
-  const int64_t x_at = R == 1 && Lines::kRowSwizzledX ? x_line_slot(i / line) * line : i;
+  const int64_t x_at = swizzled_x<Lines>(R) ? x_line_slot(i / line) * line : i;
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     typename Lines::XLine xr = Lines::load_x(x + r * k_padded + x_at);  // zero past k: masked-off weights multiply zeros
@@ -613,12 +619,6 @@ Element* kept_buffer(int64_t count) {
     capacity = buffer ? count : 0;
   }
   return buffer;
-}
-
-// Whether `rows` rows of x are kept with their lines out of order (x_line_slot).
-template <typename Lines>
-bool swizzled_x(int64_t rows) {
-  return rows == 1 && Lines::kRowSwizzledX;
 }
 
 // Elements per row of x as the kernel keeps it: whole lines, and whole groups of lines where they are out of order.
