@@ -70,14 +70,15 @@ DEFAULT_FLOAT32_ROWS_PIECE_BYTES = 0
 # prefetchers alone. In fast memory phases the kernel without its prefetch streamed the 1.1B shape's weights
 # 1.06-1.10x faster than with it (C harness, 2 threads; SmolLM2's shapes 1.12x, slow phases ~1.0x) and ran token
 # steps 1.04x (1.1B shape) and 1.05x (SmolLM2) faster, exports taking turns in one process; with x out of order
-# (BFLOAT16_ROW_SWIZZLED_X) the prefetch still costs (0.89x, SmolLM2's shapes 0.96x) (docs/performance.md).
+# (BFLOAT16_ROW_SWIZZLED_X) the prefetch still costs (0.90x, SmolLM2's shapes 0.96x) (docs/performance.md).
 BFLOAT16_ROW_PREFETCH = {("AuthenticAMD", 25): 0}
 DEFAULT_BFLOAT16_ROW_PREFETCH = 1
 # Whether rows_matvec keeps one row of bfloat16 x (avx512_bf16) with its 64-byte lines out of order (x_line_slot in
 # rows_matvec.cpp), per CPU where measured, else the default: 0, in order. Zen 4 (AMD family 25): 1. There x read
 # in order beside the weights held the stream at ~0.88x a plain read of the weights in fast memory phases; out of
-# order the kernel streamed the 1.1B shape's projections 1.13x and SmolLM2's 1.19x faster, as fast as the plain
-# read (C harness, 2 threads; slow phases 1.03x) (docs/performance.md, "x's lines out of order").
+# order the kernel streamed the 1.1B shape's projections 1.13-1.17x and SmolLM2's 1.12-1.19x faster (two runs), as
+# fast as the plain read (C harness, 2 threads; slow phases 1.03-1.04x) (docs/performance.md, "x's lines out of
+# order").
 BFLOAT16_ROW_SWIZZLED_X = {("AuthenticAMD", 25): 1}
 DEFAULT_BFLOAT16_ROW_SWIZZLED_X = 0
 
