@@ -67,32 +67,39 @@ CHUNK_BYTES = 1
 # shape above past 2 KiB (2 x 576 into 3 pieces, 4 x 3300 into 26); the other variants keep its blocks whatever
 # this CPU's tuning says, so both paths run on every AVX-512 host.
 ROWS_PIECES = 2048
-# The avx512_bf16 kernel keeps one row of x with its lines out of order on some CPUs
-# (inductor_kernels.BFLOAT16_ROW_SWIZZLED_X): its variants here do, pieces included (one row of 2100 in 2 pieces;
-# one row of 48, 300 and 2100 end in a partial group of 8 lines, the fifth row of 5 x 100 is a chunk of one row), and
-# one more keeps x in order, so both orders run on every host with avx512_bf16. The other variants have no such option.
-VARIANTS = [(isa, dtype, pieces, 0, int(isa == "avx512_bf16")) for pieces in (-1, PIECES) for isa in DOT_ISA
+# The AVX-512 kernels keep one row of x with its lines out of order on some CPUs (inductor_kernels.ROW_SWIZZLED_X):
+# the avx512_bf16 variants here do, pieces included (one row of 2100 in 2 pieces; one row of 48, 300 and 2100 end in a
+# partial group of 8 lines, the fifth row of 5 x 100 is a chunk of one row), and one more keeps x in order, so both
+# orders run on every host with avx512_bf16. The AVX2 variants have no such option.
+# The AVX-512 float32 kernel as Zen 4 runs it (the variants with ROWS_PIECES): x out of order too, and one row of x
+# longer than ROW_BLOCK_BYTES in blocks of 4 weight rows (inductor_kernels.FLOAT32_ROW_BLOCK_BYTES): one row of 300
+# (40 outputs) and of 2100 (12: a block and 2 single rows in each thread's half) in blocks, of 48 and 100 one weight
+# row at a time; with small chunks, one block per chunk; the one row of 2100 cut into pieces takes no blocks.
+ROW_BLOCK_BYTES = 1024
+VARIANTS = [(isa, dtype, pieces, 0, int(isa == "avx512_bf16"), 0) for pieces in (-1, PIECES) for isa in DOT_ISA
             for dtype in DOT_ISA[isa]]
-VARIANTS += [("avx512", torch.float32, -1, ROWS_PIECES, 0), ("avx512_bf16", torch.bfloat16, -1, 0, 0)]
+VARIANTS += [("avx512", torch.float32, pieces, ROWS_PIECES, 1, ROW_BLOCK_BYTES) for pieces in (-1, PIECES)]
+VARIANTS += [("avx512_bf16", torch.bfloat16, -1, 0, 0, 0)]
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[
     f"{isa}-{'bf16' if dtype == torch.bfloat16 else 'fp32'}{'-pieces-blocks' if pieces > 0 else ''}"
     f"{'-rows-in-pieces' if rows_pieces else ''}{'-x-in-order' if isa == 'avx512_bf16' and not swizzled else ''}"
-    for isa, dtype, pieces, rows_pieces, swizzled in VARIANTS])
+    f"{'-x-out-of-order-row-blocks' if row_blocks else ''}"
+    for isa, dtype, pieces, rows_pieces, swizzled, row_blocks in VARIANTS])
 def kernel_package(request, tmp_path_factory):
     from torch._inductor.package import package_aoti
 
     from optimum_neuronx.backends import inductor_kernels
 
-    isa, dtype, pieces, rows_pieces, swizzled = request.param
+    isa, dtype, pieces, rows_pieces, swizzled, row_blocks = request.param
     if not _runs_here(isa, dtype):
         pytest.skip(f"rows_matvec's {isa} {dtype} kernel needs {' and '.join(DOT_ISA[isa][dtype])} and GCC or Clang")
     module, args = _Projections(dtype).eval(), _inputs(dtype)
     program = torch.export.export(module, args, strict=False)
     small = pieces > 0  # pieces of x and chunks of one block of weight rows
     tuning = {**inductor_kernels.kernel_tuning(), "float32_rows_piece_bytes": rows_pieces,
-              "bfloat16_row_swizzled_x": swizzled}
+              "float32_row_block_bytes": row_blocks, "row_swizzled_x": swizzled}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(inductor_kernels, "kernel_tuning", lambda: tuning)
         options = inductor_kernels.c_shim_options(4, isa, piece_bytes=pieces, chunk_bytes=CHUNK_BYTES if small else 0)
@@ -284,15 +291,16 @@ def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa
     assert BACKEND.missing_target_support(target) == ""
 
 
-@pytest.mark.parametrize("cpuinfo, identity, one_row, several_rows, float32_pieces, bfloat16_prefetch, swizzled_x", [
-    ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n", ("AuthenticAMD", 26),
-     0, 0, 0, 1, 0),
-    ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1, 16384, 0, 1),
-    ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1, 0, 1, 0),
-    ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1, 0, 1, 0),  # no x86 fields (e.g. aarch64)
-])
-def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows, float32_pieces, bfloat16_prefetch,
-                                       swizzled_x, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "cpuinfo, identity, one_row, several_rows, float32_pieces, float32_row_blocks, row_prefetch, swizzled_x", [
+        ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n",
+         ("AuthenticAMD", 26), 0, 0, 0, 0, 1, 0),
+        ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1, 16384, 16384, 0, 1),
+        ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1, 0, 0, 1, 0),
+        ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1, 0, 0, 1, 0),  # no x86 fields (e.g. aarch64)
+    ])
+def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows, float32_pieces, float32_row_blocks,
+                                       row_prefetch, swizzled_x, tmp_path, monkeypatch):
     from optimum_neuronx.backends import inductor_codegen, inductor_kernels
 
     path = tmp_path / "cpuinfo"
@@ -300,8 +308,8 @@ def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows,
     assert inductor_kernels.cpu_identity(str(path)) == identity
     monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
     tuning = {"row_prefetch_locality": one_row, "rows_prefetch_locality": several_rows,
-              "float32_rows_piece_bytes": float32_pieces, "bfloat16_row_prefetch": bfloat16_prefetch,
-              "bfloat16_row_swizzled_x": swizzled_x}
+              "float32_rows_piece_bytes": float32_pieces, "float32_row_block_bytes": float32_row_blocks,
+              "row_prefetch": row_prefetch, "row_swizzled_x": swizzled_x}
     assert inductor_kernels.kernel_tuning() == tuning
     # the kernel is compiled with them, Inductor's row reductions prefetch with the one-row hint, and exports
     # (and their compile-cache keys) carry them all
@@ -310,8 +318,9 @@ def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows,
     assert f"#define OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY {one_row}\n" in source
     assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {several_rows}\n" in source
     assert f"#define OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES {float32_pieces}\n" in source
-    assert f"#define OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH {bfloat16_prefetch}\n" in source
-    assert f"#define OPTIMUM_NEURONX_BFLOAT16_ROW_SWIZZLED_X {swizzled_x}\n" in source
+    assert f"#define OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES {float32_row_blocks}\n" in source
+    assert f"#define OPTIMUM_NEURONX_ROW_PREFETCH {row_prefetch}\n" in source
+    assert f"#define OPTIMUM_NEURONX_ROW_SWIZZLED_X {swizzled_x}\n" in source
     assert inductor_codegen.row_prefetch_locality() == one_row
     assert BACKEND.codegen_options()["kernel_tuning"] == tuning
     assert BACKEND.codegen_options()["row_prefetch_locality"] == one_row

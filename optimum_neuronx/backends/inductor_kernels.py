@@ -65,22 +65,33 @@ DEFAULT_ROWS_PREFETCH_LOCALITY = 1
 # (docs/performance.md, "Float32 at 4 rows on Zen 4").
 FLOAT32_ROWS_PIECE_BYTES = {("AuthenticAMD", 25): 16384}
 DEFAULT_FLOAT32_ROWS_PIECE_BYTES = 0
-# Whether rows_matvec prefetches the weights at one row of bfloat16 x (avx512_bf16, whole rows), per CPU where
-# measured, else the default: 1, with ROW_PREFETCH_LOCALITY's hint. Zen 4 (AMD family 25): 0, its hardware
-# prefetchers alone. In fast memory phases the kernel without its prefetch streamed the 1.1B shape's weights
-# 1.06-1.10x faster than with it (C harness, 2 threads; SmolLM2's shapes 1.12x, slow phases ~1.0x) and ran token
-# steps 1.04x (1.1B shape) and 1.05x (SmolLM2) faster, exports taking turns in one process; with x out of order
-# (BFLOAT16_ROW_SWIZZLED_X) the prefetch still costs (0.90x, SmolLM2's shapes 0.96x) (docs/performance.md).
-BFLOAT16_ROW_PREFETCH = {("AuthenticAMD", 25): 0}
-DEFAULT_BFLOAT16_ROW_PREFETCH = 1
-# Whether rows_matvec keeps one row of bfloat16 x (avx512_bf16) with its 64-byte lines out of order (x_line_slot in
-# rows_matvec.cpp), per CPU where measured, else the default: 0, in order. Zen 4 (AMD family 25): 1. There x read
-# in order beside the weights held the stream at ~0.88x a plain read of the weights in fast memory phases; out of
-# order the kernel streamed the 1.1B shape's projections 1.13-1.17x and SmolLM2's 1.12-1.19x faster (two runs), as
-# fast as the plain read (C harness, 2 threads; slow phases 1.03-1.04x) (docs/performance.md, "x's lines out of
-# order").
-BFLOAT16_ROW_SWIZZLED_X = {("AuthenticAMD", 25): 1}
-DEFAULT_BFLOAT16_ROW_SWIZZLED_X = 0
+# float32 at one row of x on AVX-512, per CPU where measured, else the default: 0, one weight row at a time; > 0, a row
+# of x longer than that many bytes in blocks of 4 weight rows, the next block prefetched with ROWS_PREFETCH_LOCALITY's
+# hint. Zen 4 (AMD family 25): 16384 (half of its L1, as FLOAT32_ROWS_PIECE_BYTES). There the 1.1B shape's down
+# projection (5632 inputs, 22 KiB of x) one weight row at a time streamed at 0.70x a plain read of its weights in fast
+# memory phases, in blocks 1.39x faster, near the plain read (C harness, 2 threads); its rows of 2048 inputs (8 KiB)
+# gained 1.05x in blocks against 1.08x one at a time without prefetch and x out of order (below), SmolLM2's (576 and
+# 1536 inputs) lost 0.75x in blocks (docs/performance.md, "Long float32 rows in blocks").
+FLOAT32_ROW_BLOCK_BYTES = {("AuthenticAMD", 25): 16384}
+DEFAULT_FLOAT32_ROW_BLOCK_BYTES = 0
+# Whether rows_matvec on AVX-512 prefetches the weights when it takes them one row at a time against one whole row
+# of x (both dtypes), per CPU where measured, else the default: 1, with ROW_PREFETCH_LOCALITY's hint. Zen 4 (AMD
+# family 25): 0, its hardware prefetchers alone. In fast memory phases the bfloat16 kernel without its prefetch
+# streamed the 1.1B shape's weights 1.06-1.10x faster than with it (C harness, 2 threads; SmolLM2's shapes 1.12x, slow
+# phases ~1.0x) and ran token steps 1.04x (1.1B shape) and 1.05x (SmolLM2) faster, exports taking turns in one
+# process; with x out of order (ROW_SWIZZLED_X) the prefetch still costs (0.90x, SmolLM2's shapes 0.96x). float32 rows
+# of at most 16 KiB without it and with x out of order streamed 1.06-1.08x faster than with it and in order (fast
+# phases; 0.98-1.04x slow) (docs/performance.md).
+ROW_PREFETCH = {("AuthenticAMD", 25): 0}
+DEFAULT_ROW_PREFETCH = 1
+# Whether rows_matvec on AVX-512 keeps one row of x with its 64-byte lines out of order (x_line_slot in
+# rows_matvec.cpp; both dtypes), per CPU where measured, else the default: 0, in order. Zen 4 (AMD family 25): 1. There
+# bfloat16 x read in order beside the weights held the stream at ~0.88x a plain read of the weights in fast memory
+# phases; out of order the kernel streamed the 1.1B shape's projections 1.13-1.17x and SmolLM2's 1.12-1.19x faster
+# (two runs), as fast as the plain read (C harness, 2 threads; slow phases 1.03-1.04x) (docs/performance.md, "x's
+# lines out of order"); float32: see ROW_PREFETCH.
+ROW_SWIZZLED_X = {("AuthenticAMD", 25): 1}
+DEFAULT_ROW_SWIZZLED_X = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,8 +122,9 @@ def kernel_tuning() -> dict:
     return {"row_prefetch_locality": ROW_PREFETCH_LOCALITY.get(identity, DEFAULT_ROW_PREFETCH_LOCALITY),
             "rows_prefetch_locality": ROWS_PREFETCH_LOCALITY.get(identity, DEFAULT_ROWS_PREFETCH_LOCALITY),
             "float32_rows_piece_bytes": FLOAT32_ROWS_PIECE_BYTES.get(identity, DEFAULT_FLOAT32_ROWS_PIECE_BYTES),
-            "bfloat16_row_prefetch": BFLOAT16_ROW_PREFETCH.get(identity, DEFAULT_BFLOAT16_ROW_PREFETCH),
-            "bfloat16_row_swizzled_x": BFLOAT16_ROW_SWIZZLED_X.get(identity, DEFAULT_BFLOAT16_ROW_SWIZZLED_X)}
+            "float32_row_block_bytes": FLOAT32_ROW_BLOCK_BYTES.get(identity, DEFAULT_FLOAT32_ROW_BLOCK_BYTES),
+            "row_prefetch": ROW_PREFETCH.get(identity, DEFAULT_ROW_PREFETCH),
+            "row_swizzled_x": ROW_SWIZZLED_X.get(identity, DEFAULT_ROW_SWIZZLED_X)}
 
 
 # The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86

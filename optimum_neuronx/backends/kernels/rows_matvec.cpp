@@ -20,9 +20,10 @@
 // the variant takes them whole), OPTIMUM_NEURONX_DOT_CHUNK_BYTES (0: kChunkBytes' default; tests set it to hand out
 // one block at a time), OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the
 // weights' prefetch hint at one and at several rows of x), OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES (AVX-512
-// float32 at several rows: 0, blocks; else pieces, see Float32Lines), OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH
-// (avx512_bf16 at one row: 0, no prefetch) and OPTIMUM_NEURONX_BFLOAT16_ROW_SWIZZLED_X (avx512_bf16 at one row: 1,
-// x's lines out of order, see x_line_slot) are defined in front of this file.
+// float32 at several rows: 0, blocks; else pieces, see Float32Lines), OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES
+// (AVX-512 float32 at one row: one longer than this many bytes in blocks of weight rows; 0, never),
+// OPTIMUM_NEURONX_ROW_PREFETCH (AVX-512 at one whole row: 0, no prefetch) and OPTIMUM_NEURONX_ROW_SWIZZLED_X
+// (AVX-512 at one row: 1, x's lines out of order, see x_line_slot) are defined in front of this file.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -39,8 +40,8 @@ constexpr int64_t kLineBytes = 64;
 // to group, while the weights are still read front to back. On Zen 4, one row of bfloat16 x read in order beside
 // the weights streamed 0.88x as fast as a plain read of them in fast memory phases; with x's lines in this order
 // (or in a random one, through a table) 1.13-1.19x faster, at the plain read's rate (C harness, docs/performance.md,
-// "x's lines out of order"). Several rows of x gained nothing there (0.95-1.02x), nor float32 at one row of the
-// 1.1B shape (1.00x; SmolLM2's 1.06x, not taken).
+// "x's lines out of order"); float32 rows of at most 16 KiB, without a prefetch, 1.06-1.08x (SmolLM2's shapes and
+// the 1.1B shape's of 2048 inputs; slow phases 0.98-1.04x). Several rows of x gained nothing there (0.95-1.02x).
 constexpr int64_t kSwizzleLines = 8;
 
 inline int64_t x_line_slot(int64_t l) {
@@ -105,7 +106,9 @@ inline void widen_x_tail(float* dst, const uint16_t* x, int64_t i, int64_t k, in
 //   its bfloat16 down projection (5632, 45 KiB) in blocks 1.15x (slow phase) / 1.04x (fast) faster than in pieces
 //   of 24 KiB, and the batch-4 bfloat16 token graph 1.08x faster. On Zen 4 float32 goes the other way (pieces of
 //   16 KiB, Float32Lines::kRowsPieceBytes): the 1.1B shape's 4-row projections 1.09x faster, its token graph ~1.1x.
-// At 2 or 3 rows not measured. One row takes one weight row at a time (~10% faster than blocks, Zen 4).
+// At 2 or 3 rows not measured. One row takes one weight row at a time (~10% faster than blocks, Zen 4), except
+// float32 rows longer than kRowBlockBytes (> 0 where measured faster): blocks of kRowBlockRows weight rows, the next
+// block prefetched into L2 (Float32Lines).
 // kPieceBytes: the most bytes of one row of x one pass over the weight rows takes (piece_columns; 0: whole rows);
 // kRowsPieceBytes the same for several rows, which are taken whole where the variant has blocks. AVX-512, measured
 // on the 1.1B shape's projections (22 layers of each from memory, 2 threads, a slow memory phase, ~32 GB/s; Zen 4):
@@ -174,8 +177,11 @@ struct Avx512Lanes : PlainX {
   }
   static constexpr int kBlockRows = 4;
   static constexpr int64_t kRowsPieceBytes = 0;  // several rows of x: in blocks, whole
-  static constexpr bool kRowPrefetch = true;  // one row of x, rows whole: prefetch the weights (add_line)
-  static constexpr bool kRowSwizzledX = false;  // one row of x in order (x_line_slot)
+  // One row of x, whole: whether to prefetch the weights (add_line; inductor_kernels.py's ROW_PREFETCH, not on
+  // Zen 4), and whether x's lines are kept out of order (ROW_SWIZZLED_X, on Zen 4; x_line_slot).
+  static constexpr bool kRowPrefetch = OPTIMUM_NEURONX_ROW_PREFETCH != 0;
+  static constexpr bool kRowSwizzledX = OPTIMUM_NEURONX_ROW_SWIZZLED_X != 0;
+  static constexpr int64_t kRowBlockBytes = 0;  // one row of x: one weight row at a time
 };
 
 #if OPTIMUM_NEURONX_DOT_BF16_NATIVE
@@ -187,10 +193,6 @@ struct BFloat16Lines : Avx512Lanes {
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int64_t kShortRowsBytes = 24576;
   static constexpr int64_t kPieceBytes = 24576;  // several rows: kRowsPieceBytes 0, as short rows fit one piece
-  // One row, whole: whether to prefetch the weights (inductor_kernels.py's BFLOAT16_ROW_PREFETCH; not on Zen 4).
-  static constexpr bool kRowPrefetch = OPTIMUM_NEURONX_BFLOAT16_ROW_PREFETCH != 0;
-  // One row: whether x's lines are kept out of order (BFLOAT16_ROW_SWIZZLED_X; on Zen 4, see x_line_slot).
-  static constexpr bool kRowSwizzledX = OPTIMUM_NEURONX_BFLOAT16_ROW_SWIZZLED_X != 0;
   __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline Vector load(const Element* p) {
     return (Vector)_mm512_loadu_si512(p);
   }
@@ -273,6 +275,12 @@ struct Float32Lines : Avx512Lanes {
   // pieces of at most that many bytes, which stay in L1 next to the one stream of weights.
   static constexpr int64_t kRowsPieceBytes = OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES;
   static constexpr int kBlockRows = kRowsPieceBytes > 0 ? 1 : 4;
+  // One row of x longer than this many bytes (> 0, per CPU: inductor_kernels.py): blocks of weight rows, whose x
+  // loads from L1 serve 4 weight lines each and whose next block is prefetched into L2. On Zen 4 the 1.1B shape's
+  // down projection (5632 inputs, 22 KiB) one weight row at a time streamed at 0.70x a plain read of its weights
+  // (fast memory phases: x no longer stays in L1 beside the stream), in blocks of 4 1.39x faster (C harness, 2
+  // threads); rows of 2048 inputs (8 KiB) 1.05x in blocks, 1.08x one at a time without prefetch, x out of order.
+  static constexpr int64_t kRowBlockBytes = OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES;
   __attribute__((target("avx512f"), always_inline)) static inline Vector load(const Element* p) {
     return _mm512_loadu_ps(p);
   }
@@ -326,7 +334,7 @@ struct Avx2Lanes : PlainX {
   // 4-cycle multiply-adds, two per cycle on Zen 3: ~8 chains, i.e. 4 line accumulators, keep it busy.
   static constexpr int lines_per_step(int accumulators) { return accumulators >= 3 ? 1 : accumulators >= 2 ? 2 : 4; }
   static constexpr int kBlockRows = 1;  // no blocks: kShortRowsBytes is not read
-  static constexpr int64_t kPieceBytes = 0, kRowsPieceBytes = 0;
+  static constexpr int64_t kPieceBytes = 0, kRowsPieceBytes = 0, kRowBlockBytes = 0;
   static constexpr bool kRowPrefetch = true;
   static constexpr bool kRowSwizzledX = false;
   using XElement = float;
@@ -426,11 +434,14 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
     // Weights are read once per step, so prefetches keep memory busy. One whole row: `ahead` elements further
     // (inductor_codegen.py measured the distance for Inductor's own loops). A block of whole rows: the next
     // block, front to back, C lines per step (a few KiB ahead in each row pointed into this block). The hint:
-    // OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY at one row of x, OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY at several;
-    // both depend on the CPU (inductor_kernels.py), as does whether one whole row prefetches (Lines::kRowPrefetch).
-    if (!kTail && (R > 1 || kPieces || Lines::kRowPrefetch))
+    // OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY for one weight row at a time against one row of x,
+    // OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY for blocks and several rows; both depend on the CPU
+    // (inductor_kernels.py), as does whether one weight row at a time against one whole row of x prefetches at all
+    // (Lines::kRowPrefetch).
+    if (!kTail && (R > 1 || C > 1 || kPieces || Lines::kRowPrefetch))
       __builtin_prefetch(C == 1 || kPieces ? row + c * k + i + ahead : row + C * k + C * i + c * line, 0,
-                         R == 1 ? OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY);
+                         R == 1 && C == 1 ? OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY
+                                          : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY);
     w[c] = kTail ? Lines::load_first(row + c * k + i, k - i) : Lines::load(row + c * k + i);
     if (R > 1) Lines::keep_in_register(w[c]);
   }
@@ -538,18 +549,35 @@ int64_t piece_columns(int rows, int64_t k) {
   return ((k + pieces - 1) / pieces + line - 1) / line * line;
 }
 
-// Weight rows [n_begin, n_end) times R rows of x: several rows longer than Lines::kShortRowsBytes in blocks of
-// Lines::kBlockRows weight rows, others one weight row at a time.
+constexpr int kRowBlockRows = 4;  // weight rows per block at one row of x (Lines::kRowBlockBytes)
+
+// Weight rows per block for R rows of x, each k_padded elements, taken whole or not (dot_rows): several rows
+// longer than Lines::kShortRowsBytes in blocks of Lines::kBlockRows, one whole row longer than
+// Lines::kRowBlockBytes (where > 0) in blocks of kRowBlockRows, others one weight row at a time.
+template <typename Lines, int R>
+int64_t weight_rows_per_block(int64_t k_padded, bool whole) {
+  const int64_t x_bytes = R * k_padded * int64_t(sizeof(typename Lines::XElement));
+  if constexpr (R > 1 && Lines::kBlockRows > 1) {
+    if (x_bytes > Lines::kShortRowsBytes) return Lines::kBlockRows;
+  }
+  if constexpr (R == 1 && Lines::kRowBlockBytes > 0) {
+    if (whole && x_bytes > Lines::kRowBlockBytes) return kRowBlockRows;
+  }
+  return 1;
+}
+
+// Weight rows [n_begin, n_end) times R rows of x, in blocks of weight_rows_per_block.
 template <typename Lines, int R>
 OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restrict weight,
                                          const typename Lines::XElement* __restrict x, int64_t k, int64_t k_padded,
                                          int64_t n_out, int64_t n_begin, int64_t n_end, int64_t piece,
                                          float* __restrict partial, typename Lines::Element* __restrict y) {
   constexpr int64_t row_ahead = OPTIMUM_NEURONX_ROW_PREFETCH_BYTES / sizeof(typename Lines::Element);
-  if constexpr (R > 1 && Lines::kBlockRows > 1) {
-    if (R * k_padded * int64_t(sizeof(typename Lines::XElement)) > Lines::kShortRowsBytes) {
-      dot_piece<Lines, R, Lines::kBlockRows, false>(weight, x, k, k_padded, n_out, n_begin, n_end, 0, k, row_ahead,
-                                                    true, true, nullptr, y);
+  constexpr int kBlock = R > 1 ? Lines::kBlockRows : Lines::kRowBlockBytes > 0 ? kRowBlockRows : 1;
+  if constexpr (kBlock > 1) {
+    if (weight_rows_per_block<Lines, R>(k_padded, piece >= k) > 1) {
+      dot_piece<Lines, R, kBlock, false>(weight, x, k, k_padded, n_out, n_begin, n_end, 0, k, row_ahead, true, true,
+                                         nullptr, y);
       return;
     }
   }
@@ -591,7 +619,8 @@ void dot_rows_parallel(const typename Lines::Element* weight, const typename Lin
   NextRow next[kMaxShares];
   for (int s = 0; s < shares; ++s) next[s].row = n_out * s / shares;  // the fork publishes them to the team
   // Rows per chunk: whole blocks, at least one (a remainder only where a share ends)
-  const int64_t block = Lines::kBlockRows, row_bytes = k * int64_t(sizeof(typename Lines::Element));
+  const int64_t block = weight_rows_per_block<Lines, R>(k_padded, piece >= k);
+  const int64_t row_bytes = k * int64_t(sizeof(typename Lines::Element));
   const int64_t fitting = kChunkBytes / row_bytes / block * block;  // the whole blocks that fit in kChunkBytes
   const int64_t chunk = fitting > block ? fitting : block;
 #pragma omp parallel
