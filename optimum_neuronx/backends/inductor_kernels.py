@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +41,14 @@ def kernel_digests() -> dict:
             for name in (ROWS_MATVEC, DECODE_ATTENTION)}
 
 
+@dataclass(frozen=True)
+class CpuTuned:
+    """A kernel constant that depends on the CPU: its value per (vendor, family) where measured, else `default`."""
+
+    per_cpu: dict[tuple[str, int], int]
+    default: int
+
+
 # __builtin_prefetch's locality for weights streamed against one row of input (rows_matvec at one row of x, and
 # Inductor's multiply + sum, inductor_codegen.py), per CPU (vendor, family) where measured, else the default: 0,
 # non-temporal. Weights are read once per decode step and should push nothing else out of the caches: on the AMD
@@ -47,8 +56,7 @@ def kernel_digests() -> dict:
 # model 207, 2 vCPUs) non-temporal prefetches held a stream from memory to ~11 GB/s where 1, 2 and 3 read 27-30
 # GB/s, both dtypes (C harness, 1 GiB of weights, 2 threads), and the 1.1B shape's batch-1 token steps ran 1.5x
 # (bf16) and 2.5x (fp32) faster with 1 (docs/performance.md, "An Intel Xeon host").
-ROW_PREFETCH_LOCALITY = {("GenuineIntel", 6): 1}
-DEFAULT_ROW_PREFETCH_LOCALITY = 0
+ROW_PREFETCH_LOCALITY = CpuTuned({("GenuineIntel", 6): 1}, default=0)
 # The same for several rows of x per pass, where measured, else the default: 1 (into L2). Zen 4 (AVX-512):
 # its slower loop at several rows lost non-temporal lines before it reached them; into L2 streamed SmolLM2's
 # projections 1.1-1.3x faster (C harness). Zen 5 (AMD family 26): the other way round, non-temporal streamed 4 rows
@@ -56,15 +64,13 @@ DEFAULT_ROW_PREFETCH_LOCALITY = 0
 # steps 1.07x (1.1B shape fp32), 1.10x (SmolLM2 fp32) and 1.13x (1.1B shape bf16) faster (docs/performance.md).
 # The Intel Xeon above keeps the default: 2 streamed 4 rows of 2048 1.03-1.12x faster than 1 in the C harness (3
 # rounds), but batch-4 token steps with either, in processes taking turns, could not be told apart (0.87-1.21x).
-ROWS_PREFETCH_LOCALITY = {("AuthenticAMD", 26): 0}
-DEFAULT_ROWS_PREFETCH_LOCALITY = 1
+ROWS_PREFETCH_LOCALITY = CpuTuned({("AuthenticAMD", 26): 0}, default=1)
 # float32 at several rows of x on AVX-512, per CPU where measured, else the default: 0, blocks of 4 weight rows with
 # x's rows whole; > 0, one weight row at a time with x in pieces of at most that many bytes (all rows together). Zen 4
 # (AMD family 25; its AVX-512 CPUs): the 1.1B shape's projections at 4 rows streamed ~1.09x faster in pieces of 16
 # KiB (C harness, 2 threads, fast memory phases; 24 KiB 1.05x, 32 KiB 0.7x), SmolLM2's within noise
 # (docs/performance.md, "Float32 at 4 rows on Zen 4").
-FLOAT32_ROWS_PIECE_BYTES = {("AuthenticAMD", 25): 16384}
-DEFAULT_FLOAT32_ROWS_PIECE_BYTES = 0
+FLOAT32_ROWS_PIECE_BYTES = CpuTuned({("AuthenticAMD", 25): 16384}, default=0)
 # float32 at one row of x on AVX-512, per CPU where measured, else the default: 0, one weight row at a time; > 0, a row
 # of x longer than that many bytes in blocks of 4 weight rows, the next block prefetched with ROWS_PREFETCH_LOCALITY's
 # hint. Zen 4 (AMD family 25): 16384 (half of its L1, as FLOAT32_ROWS_PIECE_BYTES). There the 1.1B shape's down
@@ -72,8 +78,7 @@ DEFAULT_FLOAT32_ROWS_PIECE_BYTES = 0
 # memory phases, in blocks 1.39x faster, near the plain read (C harness, 2 threads); its rows of 2048 inputs (8 KiB)
 # gained 1.05x in blocks against 1.08x one at a time without prefetch and x out of order (below), SmolLM2's (576 and
 # 1536 inputs) lost 0.75x in blocks (docs/performance.md, "Long float32 rows in blocks").
-FLOAT32_ROW_BLOCK_BYTES = {("AuthenticAMD", 25): 16384}
-DEFAULT_FLOAT32_ROW_BLOCK_BYTES = 0
+FLOAT32_ROW_BLOCK_BYTES = CpuTuned({("AuthenticAMD", 25): 16384}, default=0)
 # Whether rows_matvec on AVX-512 prefetches the weights when it takes them one row at a time against one whole row
 # of x (both dtypes), per CPU where measured, else the default: 1, with ROW_PREFETCH_LOCALITY's hint. Zen 4 (AMD
 # family 25): 0, its hardware prefetchers alone. In fast memory phases the bfloat16 kernel without its prefetch
@@ -82,16 +87,20 @@ DEFAULT_FLOAT32_ROW_BLOCK_BYTES = 0
 # process; with x out of order (ROW_SWIZZLED_X) the prefetch still costs (0.90x, SmolLM2's shapes 0.96x). float32 rows
 # of at most 16 KiB without it and with x out of order streamed 1.06-1.08x faster than with it and in order (fast
 # phases; 0.98-1.04x slow) (docs/performance.md).
-ROW_PREFETCH = {("AuthenticAMD", 25): 0}
-DEFAULT_ROW_PREFETCH = 1
+ROW_PREFETCH = CpuTuned({("AuthenticAMD", 25): 0}, default=1)
 # Whether rows_matvec on AVX-512 keeps one row of x with its 64-byte lines out of order (x_line_slot in
 # rows_matvec.cpp; both dtypes), per CPU where measured, else the default: 0, in order. Zen 4 (AMD family 25): 1. There
 # bfloat16 x read in order beside the weights held the stream at ~0.88x a plain read of the weights in fast memory
 # phases; out of order the kernel streamed the 1.1B shape's projections 1.13-1.17x and SmolLM2's 1.12-1.19x faster
 # (two runs), as fast as the plain read (C harness, 2 threads; slow phases 1.03-1.04x) (docs/performance.md, "x's
 # lines out of order"); float32: see ROW_PREFETCH.
-ROW_SWIZZLED_X = {("AuthenticAMD", 25): 1}
-DEFAULT_ROW_SWIZZLED_X = 0
+ROW_SWIZZLED_X = CpuTuned({("AuthenticAMD", 25): 1}, default=0)
+
+# kernel_tuning's entries, by the names exports stamp them under (and c_shim_options compiles them in under).
+KERNEL_TUNING = {"row_prefetch_locality": ROW_PREFETCH_LOCALITY, "rows_prefetch_locality": ROWS_PREFETCH_LOCALITY,
+                 "float32_rows_piece_bytes": FLOAT32_ROWS_PIECE_BYTES,
+                 "float32_row_block_bytes": FLOAT32_ROW_BLOCK_BYTES, "row_prefetch": ROW_PREFETCH,
+                 "row_swizzled_x": ROW_SWIZZLED_X}
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,12 +128,7 @@ def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, int]:
 def kernel_tuning() -> dict:
     """The kernels' CPU-dependent constants; stamped into exports next to the kernels' digests."""
     identity = cpu_identity()
-    return {"row_prefetch_locality": ROW_PREFETCH_LOCALITY.get(identity, DEFAULT_ROW_PREFETCH_LOCALITY),
-            "rows_prefetch_locality": ROWS_PREFETCH_LOCALITY.get(identity, DEFAULT_ROWS_PREFETCH_LOCALITY),
-            "float32_rows_piece_bytes": FLOAT32_ROWS_PIECE_BYTES.get(identity, DEFAULT_FLOAT32_ROWS_PIECE_BYTES),
-            "float32_row_block_bytes": FLOAT32_ROW_BLOCK_BYTES.get(identity, DEFAULT_FLOAT32_ROW_BLOCK_BYTES),
-            "row_prefetch": ROW_PREFETCH.get(identity, DEFAULT_ROW_PREFETCH),
-            "row_swizzled_x": ROW_SWIZZLED_X.get(identity, DEFAULT_ROW_SWIZZLED_X)}
+    return {name: tuned.per_cpu.get(identity, tuned.default) for name, tuned in KERNEL_TUNING.items()}
 
 
 # The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86
