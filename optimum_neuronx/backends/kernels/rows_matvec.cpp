@@ -551,17 +551,21 @@ int64_t piece_columns(int rows, int64_t k) {
 
 constexpr int kRowBlockRows = 4;  // weight rows per block at one row of x (Lines::kRowBlockBytes)
 
-// Weight rows per block for R rows of x, each k_padded elements, taken whole or not (dot_rows): several rows
-// longer than Lines::kShortRowsBytes in blocks of Lines::kBlockRows, one whole row longer than
-// Lines::kRowBlockBytes (where > 0) in blocks of kRowBlockRows, others one weight row at a time.
+// The weight rows per block dot_rows may take for R rows of x: Lines::kBlockRows at several rows, kRowBlockRows at
+// one where Lines::kRowBlockBytes > 0 (1: one weight row at a time).
+template <typename Lines, int R>
+constexpr int block_rows() {
+  return R > 1 ? Lines::kBlockRows : Lines::kRowBlockBytes > 0 ? kRowBlockRows : 1;
+}
+
+// Weight rows per block for R rows of x, each k_padded elements, taken whole or not (dot_rows): block_rows for
+// several rows longer than Lines::kShortRowsBytes and one whole row longer than Lines::kRowBlockBytes, else 1.
 template <typename Lines, int R>
 int64_t weight_rows_per_block(int64_t k_padded, bool whole) {
-  const int64_t x_bytes = R * k_padded * int64_t(sizeof(typename Lines::XElement));
-  if constexpr (R > 1 && Lines::kBlockRows > 1) {
-    if (x_bytes > Lines::kShortRowsBytes) return Lines::kBlockRows;
-  }
-  if constexpr (R == 1 && Lines::kRowBlockBytes > 0) {
-    if (whole && x_bytes > Lines::kRowBlockBytes) return kRowBlockRows;
+  constexpr int kBlock = block_rows<Lines, R>();
+  if constexpr (kBlock > 1) {
+    const int64_t x_bytes = R * k_padded * int64_t(sizeof(typename Lines::XElement));
+    if (R > 1 ? x_bytes > Lines::kShortRowsBytes : whole && x_bytes > Lines::kRowBlockBytes) return kBlock;
   }
   return 1;
 }
@@ -573,7 +577,7 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restri
                                          int64_t n_out, int64_t n_begin, int64_t n_end, int64_t piece,
                                          float* __restrict partial, typename Lines::Element* __restrict y) {
   constexpr int64_t row_ahead = OPTIMUM_NEURONX_ROW_PREFETCH_BYTES / sizeof(typename Lines::Element);
-  constexpr int kBlock = R > 1 ? Lines::kBlockRows : Lines::kRowBlockBytes > 0 ? kRowBlockRows : 1;
+  constexpr int kBlock = block_rows<Lines, R>();
   if constexpr (kBlock > 1) {
     if (weight_rows_per_block<Lines, R>(k_padded, piece >= k) > 1) {
       dot_piece<Lines, R, kBlock, false>(weight, x, k, k_padded, n_out, n_begin, n_end, 0, k, row_ahead, true, true,
