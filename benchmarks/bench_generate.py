@@ -17,8 +17,10 @@ copy and a multiply + sum compiled like our decode projections, over a 1 GiB mat
 the bandwidth decode can use; the parent process samples them before and after every timed decode repeat (the
 job waits meanwhile), so a bound and the rate it bounds come from the same minutes. Bound = the median over
 those samples of the fastest probe / bytes read per decode step (streamed weights + KV cache in use). Before the
-first job, the checkpoints are made in a process of their own while the first probe compiles. Writes
-results.json, results.md and results.png to --output-dir.
+first job, the checkpoints are made in a process of their own while the first probe compiles. Beside each
+bandwidth sample and before and after each timed decode repeat, the round trip of a cache line between the two
+CPUs (core_round_trip.py): on a virtual machine whose host moves its CPUs it tells which memory phase a number
+came from. Writes results.json, results.md and results.png to --output-dir.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from core_round_trip import CoreRoundTrip  # this script's directory is on sys.path when it runs
 
 from optimum_neuronx.configuration import TORCH_DTYPES
 
@@ -124,9 +127,10 @@ def request_turn() -> None:
 
 
 def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: None, turn=lambda: None,
-            **extra) -> dict:
+            round_trip=lambda: None, **extra) -> dict:
     """`inputs`: prompt length -> inputs; decode is timed on the shortest prompt, TTFT on each. `probe()` runs
-    before and after every timed decode repeat; `turn()` before each repeat. Longer prompts' TTFT comes last:
+    before and after every timed decode repeat; `turn()` before each repeat; `round_trip()` (the cores' round trip
+    in ns, or None) right before and after each, recorded with its seconds in "decode_repeats". Longer prompts' TTFT comes last:
     Transformers keeps a static cache for the next generation that fits in it, so a 512-token prompt's cache
     would carry into the decode runs (a graph of another size for torch.compile, attention over more slots)."""
     lengths = sorted(inputs)
@@ -141,20 +145,24 @@ def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: No
         return statistics.median(_timed(model, prompt, 1, **extra) for _ in range(repeats))
 
     ttft = {lengths[0]: time_to_first_token(shortest)}
-    totals = []
+    timed_repeats = []
     for repeat in range(repeats):
         turn()
         if repeat == 0:
             probe()
-        totals.append(_timed(model, shortest, new_tokens, **extra))
+        before = round_trip()
+        seconds = _timed(model, shortest, new_tokens, **extra)
+        timed_repeats.append({"seconds": seconds, "core_round_trip_ns": [before, round_trip()]})
         probe()
+    totals = [timed["seconds"] for timed in timed_repeats]
     for length in lengths[1:]:
         ttft[length] = time_to_first_token(inputs[length])
     if torch._dynamo.utils.counters["stats"]["unique_graphs"] != compiled_graphs:
         raise RuntimeError("torch.compile compiled a graph during the timed runs: the warm-up did not compile what "
                            "they run")
     rows = shortest["input_ids"].shape[0]
-    return {"ttft_s": ttft, "decode_tok_s": rows * (new_tokens - 1) / (statistics.median(totals) - ttft[lengths[0]])}
+    return {"ttft_s": ttft, "decode_tok_s": rows * (new_tokens - 1) / (statistics.median(totals) - ttft[lengths[0]]),
+            "decode_repeats": timed_repeats}
 
 
 def export_for_batch(job: dict, batch_size: int, prompts: list[int]) -> Path:
@@ -227,7 +235,8 @@ def run_system(job: dict) -> dict:
                 extra = {"cache_implementation": "static", "compile_config": static_cache_compile_config()}
         inputs = {n: prompt_inputs(checkpoint, batch_size, n, model.config.vocab_size) for n in prompts}
         probe = request_probe if job.get("probe") else (lambda: None)
-        result.update(measure(model, inputs, job["new_tokens"], job["repeats"], probe, request_turn, **extra))
+        result.update(measure(model, inputs, job["new_tokens"], job["repeats"], probe, request_turn,
+                              CoreRoundTrip().measure, **extra))
         if "compile_config" in extra and not hasattr(model, "_compiled_call"):
             raise RuntimeError("generate ran the static cache without compiling its decode step")
         result["peak_rss_gib"] = peak_rss_gib()  # before the check below loads a reference model
@@ -374,6 +383,7 @@ class BandwidthProbe:
         self.dst = self._matrix(shape, dtype, torch.zeros(()))
         self.reduction = self._decode_reduction()
         self.dot_kernel = self._dot_kernel()
+        self.round_trip = CoreRoundTrip()
 
     @staticmethod
     def _matrix(shape: tuple, dtype: torch.dtype, values: torch.Tensor) -> torch.Tensor:
@@ -426,7 +436,9 @@ class BandwidthProbe:
             return load_package(package_aoti(str(Path(directory) / "dot.pt2"), files))
 
     def sample(self, repeats: int = 3) -> dict:
+        """Each probe's GB/s ("..._gb_s"), and the cores' round trip in ns taken just before them."""
         nbytes = self.weight.numel() * self.weight.dtype.itemsize
+        round_trip_ns = self.round_trip.measure()
 
         def best_gb_s(fn, traffic: int) -> float:
             fn()
@@ -437,14 +449,14 @@ class BandwidthProbe:
                    "reduction_gb_s": best_gb_s(lambda: self.reduction(self.weight, self.x), nbytes)}
         if self.dot_kernel is not None:
             samples["dot_kernel_gb_s"] = best_gb_s(lambda: self.dot_kernel(self.x, self.weight), nbytes)
-        return samples
+        return dict(samples, core_round_trip_ns=round_trip_ns)
 
 
 def bandwidth_summary(samples: list[dict]) -> dict:
     """The bound of one measurement: per sample the fastest probe (a BLAS GEMV can be compute-limited, bf16
     without bf16 dot products, and a bound below what a system reaches would measure the probe, not the memory),
     then the median over the samples taken around its decode repeats, with their spread."""
-    fastest = [max(sample.values()) for sample in samples]
+    fastest = [max(value for name, value in sample.items() if name.endswith("_gb_s")) for sample in samples]
     return {"bound_gb_s": statistics.median(fastest), "bound_min_gb_s": min(fastest),
             "bound_max_gb_s": max(fastest), "samples": samples}
 
@@ -469,12 +481,12 @@ def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_
 # -- report -----------------------------------------------------------------------------------------------
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | dtype | batch | system | TTFT ms (prompt tokens) | TTFT vs eager | decode tok/s | decode vs eager "
-             "| % of bound | bound GB/s (spread) | peak RSS (GiB) | greedy = eager |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| % of bound | bound GB/s (spread) | core round trip ns (spread) | peak RSS (GiB) | greedy = eager |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['dtype']} | {r['batch_size']} | {r['system']} | failed: {r['error']} "
-                         f"| | | | | | | |")
+                         f"| | | | | | | | |")
             continue
         base = next((b for b in rows if b["system"] == SYSTEMS[0] and b["model"] == r["model"]
                      and b["dtype"] == r["dtype"] and b["batch_size"] == r["batch_size"] and "error" not in b), None)
@@ -488,8 +500,14 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['dtype']} | {r['batch_size']} | {r['system']} | {ttft} | {ttft_ratio} | "
                      f"{r['decode_tok_s']:.1f} | {ratio} | {100 * r['decode_tok_s'] / r['bound_tok_s']:.0f}% | "
                      f"{bw['bound_gb_s']:.1f} ({bw['bound_min_gb_s']:.1f}-{bw['bound_max_gb_s']:.1f}) | "
-                     f"{r['peak_rss_gib']:.2f} | {match} |")
+                     f"{round_trip_cell(r)} | {r['peak_rss_gib']:.2f} | {match} |")
     return "\n".join(lines)
+
+
+def round_trip_cell(row: dict) -> str:
+    """The cores' round trips taken around a row's decode repeats: median (least-most), or "-" where none was."""
+    taken = [ns for timed in row.get("decode_repeats", []) for ns in timed["core_round_trip_ns"] if ns is not None]
+    return f"{statistics.median(taken):.0f} ({min(taken):.0f}-{max(taken):.0f})" if taken else "-"
 
 
 def plot(rows: list[dict], path: Path) -> None:

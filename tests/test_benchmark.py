@@ -1,7 +1,9 @@
 """The benchmark's own plumbing: a job in its subprocess, the bandwidth samples taken around its decode repeats."""
 
 import importlib.util
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -13,10 +15,18 @@ BENCH = Path(__file__).parents[1] / "benchmarks" / "bench_generate.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_generate", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(BENCH.parent))  # as when the script runs: its sibling modules import
+    try:
+        spec = importlib.util.spec_from_file_location("bench_generate", BENCH)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH.parent))
     return module
+
+
+def two_cpus() -> bool:
+    return len(os.sched_getaffinity(0)) >= 2
 
 
 def eager_job(checkpoint, work, **overrides):
@@ -41,6 +51,11 @@ def test_batch_sizes_take_turns_and_bandwidth_is_sampled_around_every_timed_deco
         assert numbers["decode_tok_s"] > 0
         assert set(numbers["ttft_s"]) == {"8"}
         assert numbers["peak_rss_gib"] > 0
+        # the cores' round trip right before and after each timed repeat, with its seconds
+        assert len(numbers["decode_repeats"]) == 2
+        for timed in numbers["decode_repeats"]:
+            assert timed["seconds"] > 0 and len(timed["core_round_trip_ns"]) == 2
+            assert all(ns > 0 if two_cpus() else ns is None for ns in timed["core_round_trip_ns"])
         bandwidth = numbers["bandwidth"]
         assert bandwidth["samples"] == [samples[i] for i in taken]
         assert bandwidth["bound_gb_s"] == statistics.median(10.0 + i for i in taken)
@@ -116,8 +131,47 @@ def test_bandwidth_probe_reports_each_kernel(bench):
         out = probe.dot_kernel(probe.x, probe.weight)
         torch.testing.assert_close(out.float(), torch.nn.functional.linear(probe.x.float(), probe.weight.float()),
                                    rtol=2 ** -7, atol=1e-2)
-    assert set(sample) == expected
-    assert all(value > 0 for value in sample.values())
+    assert set(sample) == expected | {"core_round_trip_ns"}
+    assert all(value > 0 for name, value in sample.items() if name in expected)
+    assert sample["core_round_trip_ns"] > 0 if two_cpus() else sample["core_round_trip_ns"] is None
+
+
+def test_the_bound_is_the_fastest_probe_not_the_cores_round_trip(bench):
+    samples = [{"gemv_gb_s": 30.0, "copy_gb_s": 40.0, "core_round_trip_ns": 320.0},
+               {"gemv_gb_s": 50.0, "copy_gb_s": 20.0, "core_round_trip_ns": 60.0},
+               {"gemv_gb_s": 10.0, "copy_gb_s": 35.0, "core_round_trip_ns": None}]
+    summary = bench.bandwidth_summary(samples)
+    assert (summary["bound_gb_s"], summary["bound_min_gb_s"], summary["bound_max_gb_s"]) == (40.0, 35.0, 50.0)
+
+
+@pytest.mark.skipif(not two_cpus(), reason="the round trip needs two CPUs")
+def test_cores_round_trip_is_measured_between_two_cpus_and_not_on_one(bench):
+    allowed = os.sched_getaffinity(0)
+    two = bench.CoreRoundTrip()
+    trips = [two.measure(trips=2000) for _ in range(3)]
+    # a cache line's round trip between two CPUs: from tens of ns (same core complex) to some microseconds (a
+    # descheduled virtual CPU); never nothing
+    assert all(0 < ns < 1e6 for ns in trips)
+    assert os.sched_getaffinity(0) == allowed  # the calling thread's CPUs restored
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        assert bench.CoreRoundTrip().measure() is None
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def test_the_table_shows_the_round_trips_around_a_rows_decode_repeats(bench):
+    row = {"model": "m", "dtype": "fp32", "batch_size": 1, "system": bench.SYSTEMS[0], "ttft_s": {"8": 0.1},
+           "decode_tok_s": 10.0, "bound_tok_s": 20.0, "peak_rss_gib": 1.0,
+           "bandwidth": {"bound_gb_s": 30.0, "bound_min_gb_s": 29.0, "bound_max_gb_s": 31.0},
+           "decode_repeats": [{"seconds": 1.0, "core_round_trip_ns": [60.0, 320.0]},
+                              {"seconds": 1.0, "core_round_trip_ns": [330.0, None]}]}
+    header, _, line = bench.markdown([row]).splitlines()
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert len(cells) == header.count("|") - 1
+    assert cells[header.strip("|").split("|").index(" core round trip ns (spread) ")] == "320 (60-330)"
+    del row["decode_repeats"]
+    assert "| - |" in bench.markdown([row])
 
 
 def _checkpoint_made_elsewhere(name, work):
