@@ -130,9 +130,10 @@ def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: No
             round_trip=lambda: None, **extra) -> dict:
     """`inputs`: prompt length -> inputs; decode is timed on the shortest prompt, TTFT on each. `probe()` runs
     before and after every timed decode repeat; `turn()` before each repeat; `round_trip()` (the cores' round trip
-    in ns, or None) right before and after each, recorded with its seconds in "decode_repeats". Longer prompts' TTFT comes last:
-    Transformers keeps a static cache for the next generation that fits in it, so a 512-token prompt's cache
-    would carry into the decode runs (a graph of another size for torch.compile, attention over more slots)."""
+    in ns, or None) right before and after each, recorded with its seconds in "decode_repeats". Longer prompts'
+    TTFT comes last: Transformers keeps a static cache for the next generation that fits in it, so a 512-token
+    prompt's cache would carry into the decode runs (a graph of another size for torch.compile, attention over
+    more slots)."""
     lengths = sorted(inputs)
     shortest = inputs[lengths[0]]
     # Warm-up (and, for torch.compile, compilation) as long as the timed runs: Transformers sizes a static cache
@@ -481,7 +482,8 @@ def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_
 # -- report -----------------------------------------------------------------------------------------------
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | dtype | batch | system | TTFT ms (prompt tokens) | TTFT vs eager | decode tok/s | decode vs eager "
-             "| % of bound | bound GB/s (spread) | core round trip ns (spread) | peak RSS (GiB) | greedy = eager |",
+             "| % of bound | bound GB/s (spread) | core round trip ns (spread) | peak RSS (GiB) "
+             "| greedy = eager |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
