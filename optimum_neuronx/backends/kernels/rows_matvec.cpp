@@ -419,7 +419,8 @@ struct BFloat16Lines : Avx2Lanes {
 #endif
 
 // Adds one 64-byte line of C weight rows (from column i; only its first k - i elements when kTail) times R rows
-// of x (each k_padded elements; one row's lines at x_line_slot where swizzled_x) to acc[c][r]. kPieces: the
+// of x (k_padded elements apart, column i at x + i: in pieces, dot_rows passes each piece's rows and their spacing;
+// one row's lines at x_line_slot where swizzled_x) to acc[c][r]. kPieces: the
 // rows are read a piece at a time (dot_rows), and the prefetch reaches `ahead` elements past each line: into the
 // same piece of a later row.
 template <typename Lines, int R, int C, bool kTail, bool kPieces>
@@ -597,7 +598,9 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restri
   const int64_t ahead = (rows_ahead > C ? rows_ahead : C) * k;
   for (int64_t begin = 0; begin < k; begin += piece) {
     const int64_t end = begin + piece < k ? begin + piece : k;
-    dot_piece<Lines, R, C, true>(weight, x, k, k_padded, n_out, n_begin, n_end, begin, end, ahead, begin == 0,
+    // This piece's R rows of x, `piece` apart, indexed by column (aligned_rows keeps them piece after piece)
+    const typename Lines::XElement* x_piece = x + begin / piece * (R - 1) * piece;
+    dot_piece<Lines, R, C, true>(weight, x_piece, k, piece, n_out, n_begin, n_end, begin, end, ahead, begin == 0,
                                  end == k, partial, y);
   }
 }
@@ -661,24 +664,43 @@ int64_t padded_columns(int64_t rows, int64_t k) {
   return (k + unit - 1) / unit * unit;
 }
 
-// x copied into a 64-byte aligned, zero-padded buffer, in the form the kernel reads (Lines::copy_x_row; one row's
-// lines moved to their x_line_slot where swizzled_x): unaligned 64-byte loads of x ran 2.7x slower at 4 rows.
+// x copied into a 64-byte aligned, zero-padded buffer, in the form the kernel reads (Lines::copy_x_row): rows of
+// k_padded elements (unaligned 64-byte loads of x ran 2.7x slower at 4 rows), one row's lines moved to their
+// x_line_slot where swizzled_x, and several rows read in pieces of `piece` columns laid out piece after piece: piece
+// q's row r at (q * rows + r) * piece, zero-padded to `piece` (dot_rows points into it). Kept as whole rows, each
+// piece's 4 float32 rows lay 8 KiB apart and a thread's change of piece fetched lines of the others: piece after
+// piece, the 1.1B shape's 4-row projections streamed 1.04-1.06x faster on Zen 4 with the CPUs apart (C harness, 2
+// threads; docs/performance.md, "The memory phases are where the host runs the two CPUs").
 template <typename Lines>
 const typename Lines::XElement* aligned_rows(const typename Lines::Element* x, int64_t rows, int64_t k,
-                                             int64_t row_stride, int64_t col_stride, int64_t k_padded) {
+                                             int64_t row_stride, int64_t col_stride, int64_t k_padded,
+                                             int64_t piece) {
   using XElement = typename Lines::XElement;
-  XElement* buffer = kept_buffer<XElement, 0>(rows * k_padded);
+  const bool swizzled = swizzled_x<Lines>(rows), by_piece = rows > 1 && piece < k;
+  const int64_t pieces = (k + piece - 1) / piece;
+  XElement* buffer = kept_buffer<XElement, 0>(by_piece ? pieces * rows * piece : rows * k_padded);
   if (!buffer) return nullptr;
-  if (!swizzled_x<Lines>(rows)) {
+  if (!swizzled && !by_piece) {
     for (int64_t r = 0; r < rows; ++r) Lines::copy_x_row(buffer + r * k_padded, x + r * row_stride, k, col_stride, k_padded);
     return buffer;
   }
   XElement* in_order = kept_buffer<XElement, 3>(k_padded);
   if (!in_order) return nullptr;
-  Lines::copy_x_row(in_order, x, k, col_stride, k_padded);
   constexpr int64_t line = Lines::kLine;
-  for (int64_t l = 0; l < k_padded / line; ++l)
-    __builtin_memcpy(buffer + x_line_slot(l) * line, in_order + l * line, line * sizeof(XElement));
+  for (int64_t r = 0; r < rows; ++r) {
+    Lines::copy_x_row(in_order, x + r * row_stride, k, col_stride, k_padded);
+    if (swizzled) {  // one row
+      for (int64_t l = 0; l < k_padded / line; ++l)
+        __builtin_memcpy(buffer + x_line_slot(l) * line, in_order + l * line, line * sizeof(XElement));
+      continue;
+    }
+    for (int64_t q = 0; q < pieces; ++q) {  // k_padded <= pieces * piece: piece is whole lines
+      const int64_t first = q * piece, kept = k_padded - first < piece ? k_padded - first : piece;
+      XElement* dst = buffer + (q * rows + r) * piece;
+      __builtin_memcpy(dst, in_order + first, kept * sizeof(XElement));
+      __builtin_memset(dst + kept, 0, (piece - kept) * sizeof(XElement));
+    }
+  }
   return buffer;
 }
 
@@ -691,9 +713,9 @@ bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_dat
   for (int64_t first = 0; first < rows; first += kMaxRows) {
     const int64_t count = rows - first < kMaxRows ? rows - first : kMaxRows;
     const int64_t k_padded = padded_columns<Lines>(count, k);
-    const typename Lines::XElement* xs = aligned_rows<Lines>(static_cast<const Element*>(x_data) + first * x_strides[0],
-                                                             count, k, x_strides[0], x_strides[1], k_padded);
     const int64_t piece = piece_columns<Lines>(count, k);
+    const typename Lines::XElement* xs = aligned_rows<Lines>(static_cast<const Element*>(x_data) + first * x_strides[0],
+                                                             count, k, x_strides[0], x_strides[1], k_padded, piece);
     float* partial = piece < k ? kept_buffer<float, 1>(count * n_out) : nullptr;
     if (!xs || (piece < k && !partial)) return false;
     Element* y = static_cast<Element*>(y_data) + first * n_out;
