@@ -667,10 +667,10 @@ int64_t padded_columns(int64_t rows, int64_t k) {
 // x copied into a 64-byte aligned, zero-padded buffer, in the form the kernel reads (Lines::copy_x_row): rows of
 // k_padded elements (unaligned 64-byte loads of x ran 2.7x slower at 4 rows), one row's lines moved to their
 // x_line_slot where swizzled_x, and several rows read in pieces of `piece` columns laid out piece after piece: piece
-// q's row r at (q * rows + r) * piece, zero-padded to `piece` (dot_rows points into it). Kept as whole rows, each
-// piece's 4 float32 rows lay 8 KiB apart and a thread's change of piece fetched lines of the others: piece after
-// piece, the 1.1B shape's 4-row projections streamed 1.04-1.06x faster on Zen 4 with the CPUs apart (C harness, 2
-// threads; docs/performance.md, "The memory phases are where the host runs the two CPUs").
+// q's row r at (q * rows + r) * piece, zero-padded to `piece` (dot_rows points into it). Kept as whole rows instead,
+// a piece of the 1.1B shape's 4 float32 rows of 2048 is 4 KiB of each row, the rows 8 KiB apart; laid out piece
+// after piece, its 4-row projections streamed 1.04-1.06x faster on Zen 4 with the CPUs apart (C harness, 2 threads;
+// docs/performance.md, "The memory phases are where the host runs the two CPUs").
 template <typename Lines>
 const typename Lines::XElement* aligned_rows(const typename Lines::Element* x, int64_t rows, int64_t k,
                                              int64_t row_stride, int64_t col_stride, int64_t k_padded,
