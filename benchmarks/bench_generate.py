@@ -46,11 +46,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from core_round_trip import CoreRoundTrip  # this script's directory is on sys.path when it runs
+# this script's directory is on sys.path when it runs
+from bench_report import SYSTEMS, fastest_gb_s, label_repeats, markdown, placement_markdown, plot
+from core_round_trip import CoreRoundTrip
 
 from optimum_neuronx.configuration import TORCH_DTYPES
 
-SYSTEMS = ("transformers eager", "transformers static+compile", "optimum-neuronx (inductor)")
 # A job prints this line and waits for one line on stdin while its parent samples the
 # memory bandwidth: the bound is measured around the very repeats it bounds, by a process that is not timed.
 PROBE_REQUEST = "@@bandwidth-probe"
@@ -162,8 +163,13 @@ def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: No
         raise RuntimeError("torch.compile compiled a graph during the timed runs: the warm-up did not compile what "
                            "they run")
     rows = shortest["input_ids"].shape[0]
-    return {"ttft_s": ttft, "decode_tok_s": rows * (new_tokens - 1) / (statistics.median(totals) - ttft[lengths[0]]),
-            "decode_repeats": timed_repeats}
+
+    def decode_tok_s(seconds: float) -> float:
+        return rows * (new_tokens - 1) / (seconds - ttft[lengths[0]])
+
+    for timed in timed_repeats:
+        timed["decode_tok_s"] = decode_tok_s(timed["seconds"])
+    return {"ttft_s": ttft, "decode_tok_s": decode_tok_s(statistics.median(totals)), "decode_repeats": timed_repeats}
 
 
 def export_for_batch(job: dict, batch_size: int, prompts: list[int]) -> Path:
@@ -457,7 +463,7 @@ def bandwidth_summary(samples: list[dict]) -> dict:
     """The bound of one measurement: per sample the fastest probe (a BLAS GEMV can be compute-limited, bf16
     without bf16 dot products, and a bound below what a system reaches would measure the probe, not the memory),
     then the median over the samples taken around its decode repeats, with their spread."""
-    fastest = [max(value for name, value in sample.items() if name.endswith("_gb_s")) for sample in samples]
+    fastest = [fastest_gb_s(sample) for sample in samples]
     return {"bound_gb_s": statistics.median(fastest), "bound_min_gb_s": min(fastest),
             "bound_max_gb_s": max(fastest), "samples": samples}
 
@@ -477,60 +483,6 @@ def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_
     # An untied embedding table is only gathered from (one row per token), not streamed.
     gathered = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
     return (parameter_count(spec) - gathered) * size + kv
-
-
-# -- report -----------------------------------------------------------------------------------------------
-def markdown(rows: list[dict]) -> str:
-    lines = ["| model | dtype | batch | system | TTFT ms (prompt tokens) | TTFT vs eager | decode tok/s | decode vs eager "
-             "| % of bound | bound GB/s (spread) | core round trip ns (spread) | peak RSS (GiB) "
-             "| greedy = eager |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['dtype']} | {r['batch_size']} | {r['system']} | failed: {r['error']} "
-                         f"| | | | | | | | |")
-            continue
-        base = next((b for b in rows if b["system"] == SYSTEMS[0] and b["model"] == r["model"]
-                     and b["dtype"] == r["dtype"] and b["batch_size"] == r["batch_size"] and "error" not in b), None)
-        longest = max(r["ttft_s"], key=int)
-        ttft = ", ".join(f"{r['ttft_s'][n] * 1e3:.0f} ({n})" for n in sorted(r["ttft_s"], key=int))
-        # Eager time over ours: above 1 means faster than eager.
-        ttft_ratio = f"{base['ttft_s'][longest] / r['ttft_s'][longest]:.2f}x ({longest})" if base else "-"
-        ratio = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
-        match = r.get("greedy_tokens_match", "-")
-        bw = r["bandwidth"]
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['batch_size']} | {r['system']} | {ttft} | {ttft_ratio} | "
-                     f"{r['decode_tok_s']:.1f} | {ratio} | {100 * r['decode_tok_s'] / r['bound_tok_s']:.0f}% | "
-                     f"{bw['bound_gb_s']:.1f} ({bw['bound_min_gb_s']:.1f}-{bw['bound_max_gb_s']:.1f}) | "
-                     f"{round_trip_cell(r)} | {r['peak_rss_gib']:.2f} | {match} |")
-    return "\n".join(lines)
-
-
-def round_trip_cell(row: dict) -> str:
-    """The cores' round trips taken around a row's decode repeats: median (least-most), or "-" where none was."""
-    taken = [ns for timed in row.get("decode_repeats", []) for ns in timed["core_round_trip_ns"] if ns is not None]
-    return f"{statistics.median(taken):.0f} ({min(taken):.0f}-{max(taken):.0f})" if taken else "-"
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logging.warning("matplotlib is not installed (pip install -e '.[bench]'): no plot")
-        return
-    ok = [r for r in rows if "error" not in r]
-    labels = [f"{r['model']}\n{r['dtype']} b{r['batch_size']}\n{r['system']}" for r in ok]
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(ok)), 5))
-    ax.bar(range(len(ok)), [r["decode_tok_s"] for r in ok], color=["C%d" % SYSTEMS.index(r["system"]) for r in ok])
-    ax.scatter(range(len(ok)), [r["bound_tok_s"] for r in ok], marker="_", s=400, color="k", label="bandwidth bound")
-    ax.set_xticks(range(len(ok)), labels, fontsize=7)
-    ax.set_ylabel("decode tokens/s (all rows)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def environment() -> dict:
@@ -596,11 +548,14 @@ def main():
                         if "bandwidth" in numbers:
                             step_bytes = bytes_per_decode_step(checkpoint, dtype, batch_size,
                                                                min(args.prompt_tokens) + args.new_tokens // 2)
-                            row["bound_tok_s"] = numbers["bandwidth"]["bound_gb_s"] * 1e9 / step_bytes * batch_size
+                            row["tok_s_per_gb_s"] = 1e9 / step_bytes * batch_size
+                            row["bound_tok_s"] = numbers["bandwidth"]["bound_gb_s"] * row["tok_s_per_gb_s"]
                         rows.append(row)
+    split = label_repeats(rows)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=2))
-    table = markdown(rows)
+    (args.output_dir / "results.json").write_text(json.dumps(
+        {"environment": env, "placement_split_ns": split, "results": rows}, indent=2))
+    table = markdown(rows) + "\n\n" + placement_markdown(rows, split)
     (args.output_dir / "results.md").write_text(table + "\n")
     plot(rows, args.output_dir / "results.png")
     print(json.dumps(env))

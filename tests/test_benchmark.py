@@ -10,19 +10,28 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).parents[1] / "benchmarks" / "bench_generate.py"
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def _script_module(name: str):
+    sys.path.insert(0, str(BENCHMARKS))  # as when the script runs: its sibling modules import
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH.parent))  # as when the script runs: its sibling modules import
-    try:
-        spec = importlib.util.spec_from_file_location("bench_generate", BENCH)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH.parent))
-    return module
+    return _script_module("bench_generate")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _script_module("bench_report")
 
 
 def two_cpus() -> bool:
@@ -54,7 +63,7 @@ def test_batch_sizes_take_turns_and_bandwidth_is_sampled_around_every_timed_deco
         # the cores' round trip right before and after each timed repeat, with its seconds
         assert len(numbers["decode_repeats"]) == 2
         for timed in numbers["decode_repeats"]:
-            assert timed["seconds"] > 0 and len(timed["core_round_trip_ns"]) == 2
+            assert timed["seconds"] > 0 and timed["decode_tok_s"] > 0 and len(timed["core_round_trip_ns"]) == 2
             assert all(ns > 0 if two_cpus() else ns is None for ns in timed["core_round_trip_ns"])
         bandwidth = numbers["bandwidth"]
         assert bandwidth["samples"] == [samples[i] for i in taken]
@@ -84,6 +93,12 @@ def test_longer_prompts_time_to_first_token_comes_after_the_decode_repeats(bench
     warm_up, short_ttft, decode, long_ttft = [(8, 4)], [(8, 1)] * 3, [(8, 4)] * 2, [(16, 1)] * 3
     assert calls == warm_up + short_ttft + decode + long_ttft
     assert set(result["ttft_s"]) == {8, 16} and result["decode_tok_s"] > 0
+    # each repeat's own rate: 3 tokens after the first over its time beyond the first token; the row's from the
+    # median time
+    seconds = [timed["seconds"] for timed in result["decode_repeats"]]
+    for timed in result["decode_repeats"]:
+        assert timed["decode_tok_s"] == pytest.approx(3 / (timed["seconds"] - result["ttft_s"][8]))
+    assert result["decode_tok_s"] == pytest.approx(3 / (statistics.median(seconds) - result["ttft_s"][8]))
 
 
 def test_static_cache_baseline_is_generate_compiling_its_decode_step_on_cpu(bench, reference_model):
@@ -160,18 +175,84 @@ def test_cores_round_trip_is_measured_between_two_cpus_and_not_on_one(bench):
         os.sched_setaffinity(0, allowed)
 
 
-def test_the_table_shows_the_round_trips_around_a_rows_decode_repeats(bench):
-    row = {"model": "m", "dtype": "fp32", "batch_size": 1, "system": bench.SYSTEMS[0], "ttft_s": {"8": 0.1},
+def test_the_table_shows_the_round_trips_around_a_rows_decode_repeats(report):
+    row = {"model": "m", "dtype": "fp32", "batch_size": 1, "system": report.SYSTEMS[0], "ttft_s": {"8": 0.1},
            "decode_tok_s": 10.0, "bound_tok_s": 20.0, "peak_rss_gib": 1.0,
            "bandwidth": {"bound_gb_s": 30.0, "bound_min_gb_s": 29.0, "bound_max_gb_s": 31.0},
            "decode_repeats": [{"seconds": 1.0, "core_round_trip_ns": [60.0, 320.0]},
                               {"seconds": 1.0, "core_round_trip_ns": [330.0, None]}]}
-    header, _, line = bench.markdown([row]).splitlines()
+    header, _, line = report.markdown([row]).splitlines()
     cells = [cell.strip() for cell in line.strip("|").split("|")]
     assert len(cells) == header.count("|") - 1
     assert cells[header.strip("|").split("|").index(" core round trip ns (spread) ")] == "320 (60-330)"
     del row["decode_repeats"]
-    assert "| - |" in bench.markdown([row])
+    assert "| - |" in report.markdown([row])
+
+
+def test_two_placements_of_the_cpus_split_at_the_first_wide_gap_in_their_round_trips(report):
+    near, apart = [55.0, 60.0, 72.0, 110.0], [300.0, 320.0, 650.0, 2000.0]
+    # the first gap of 2x or more from the shortest: a descheduled CPU's 2000 ns stays with the apart ones
+    assert report.placement_split(apart + near + [None]) == pytest.approx((110 * 300) ** 0.5)
+    assert report.placement_split(near + [None]) is None  # one placement
+    assert report.placement_split([None, None]) is None  # one CPU: no round trips
+
+
+def _ran(system, batch_size, repeats, samples=None, **extra):
+    """A row: its decode repeats (rate, round trips at the repeat's ends) and the bandwidth samples taken before
+    the first and after each (GB/s of the fastest probe, round trip)."""
+    row = dict(model="m", dtype="fp32", batch_size=batch_size, system=system, tok_s_per_gb_s=2.0, decode_repeats=[
+        {"seconds": 1.0, "decode_tok_s": rate, "core_round_trip_ns": list(ends)} for rate, ends in repeats], **extra)
+    if samples is not None:
+        row["bandwidth"] = {"samples": [{"gemv_gb_s": gb_s / 2, "copy_gb_s": gb_s, "core_round_trip_ns": ns}
+                                        for gb_s, ns in samples]}
+    return row
+
+
+def test_each_repeat_is_set_against_the_samples_either_side_and_labelled_by_where_the_cpus_ran(report):
+    row = _ran(report.SYSTEMS[2], 1, repeats=[(50.0, (60, 70)), (80.0, (70, 320)), (99.0, (330, 320))],
+               samples=[(30.0, 62), (40.0, 64), (60.0, 310), (50.0, 300)])
+    unsampled = _ran(report.SYSTEMS[0], 1, repeats=[(10.0, (60, 330))])
+    split = report.label_repeats([row, unsampled])
+    assert 70 < split < 300
+    # bound of a repeat: the fastest probes of the samples before and after it, (30 + 40) / 2 GB/s * 2 tok/s per GB/s
+    assert [timed["percent_of_bound"] for timed in row["decode_repeats"]] == pytest.approx(
+        [100 * 50 / 70, 100 * 80 / 100, 100 * 99 / 110])
+    assert [timed["cpus"] for timed in row["decode_repeats"]] == ["near", "mixed", "apart"]
+    assert report.percent_of_bound(row) == pytest.approx(80.0)  # their median
+    assert "cpus" not in unsampled["decode_repeats"][0]  # no samples around it: nothing to set it against
+
+    one_cpu = _ran(report.SYSTEMS[2], 1, repeats=[(50.0, (None, None))], samples=[(30.0, None), (40.0, None)])
+    steady = _ran(report.SYSTEMS[2], 1, repeats=[(50.0, (60, 70))], samples=[(30.0, 62), (40.0, 64)])
+    assert report.label_repeats([one_cpu]) is None and report.label_repeats([steady]) is None
+    assert one_cpu["decode_repeats"][0]["cpus"] == steady["decode_repeats"][0]["cpus"] == "one placement"
+
+
+def test_the_placement_table_compares_repeats_that_ran_in_the_same_placement(report):
+    def labelled(system, batch_size, repeats):
+        row = _ran(system, batch_size, [(rate, (0, 0)) for rate, _ in repeats])
+        for timed, (_, cpus) in zip(row["decode_repeats"], repeats):
+            timed.update(cpus=cpus, percent_of_bound=timed["decode_tok_s"])
+        return row
+
+    eager, ours = report.SYSTEMS[0], report.SYSTEMS[2]
+    rows = [labelled(eager, 1, [(10.0, "near"), (20.0, "apart"), (12.0, "near")]),
+            labelled(ours, 1, [(100.0, "apart"), (70.0, "mixed"), (40.0, "near")]),
+            labelled(ours, 4, [(300.0, "apart")]),
+            dict(model="m", dtype="fp32", batch_size=2, system=ours, error="failed")]
+    lines = report.placement_markdown(rows, 145.0).splitlines()
+    assert "below 145 ns" in lines[0]
+    header, body = lines[2], lines[4:]
+    assert header.strip("|").split("|")[4:] == [" CPUs ", " repeats ", " decode tok/s ", " % of bound ", " vs eager ",
+                                                " vs smallest batch "]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")][2:] for line in body]
+    assert cells == [
+        ["1", eager, "near", "2", "11.0", "11%", "1.00x", "1.00x"],
+        ["1", eager, "apart", "1", "20.0", "20%", "1.00x", "1.00x"],
+        ["1", ours, "near", "1", "40.0", "40%", "3.64x", "1.00x"],  # against eager's near repeats only
+        ["1", ours, "apart", "1", "100.0", "100%", "5.00x", "1.00x"],
+        ["1", ours, "mixed", "1", "70.0", "70%", "-", "-"],  # a placement that changed is compared with nothing
+        ["4", ours, "apart", "1", "300.0", "300%", "-", "3.00x"]]  # no eager batch 4; batch 1 apart
+    assert "one placement" in report.placement_markdown(rows, None).splitlines()[0]
 
 
 def _checkpoint_made_elsewhere(name, work):
