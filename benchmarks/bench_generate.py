@@ -20,7 +20,8 @@ those samples of the fastest probe / bytes read per decode step (streamed weight
 first job, the checkpoints are made in a process of their own while the first probe compiles. Beside each
 bandwidth sample and before and after each timed decode repeat, the round trip of a cache line between the two
 CPUs (core_round_trip.py): on a virtual machine whose host moves its CPUs it tells which memory phase a number
-came from. Writes results.json, results.md and results.png to --output-dir.
+came from. Writes results.json, results.md and results.png to --output-dir (bench_report.py: each repeat set
+against the samples right before and after it and labelled by the CPUs' placement, a table per placement).
 """
 
 from __future__ import annotations
@@ -255,9 +256,9 @@ def run_system(job: dict) -> dict:
 
 
 def weights_huge_page_share(model) -> float:
-    """The share of the span of our model's loaded weights in 2 MiB pages: the loader reads them into huge pages
-    and falls back to the file's mapping (whose page cache has some) when memory is too fragmented for them, which
-    slows decode (optimum_neuronx/huge_pages.py)."""
+    """The share of the span of our model's loaded weights in 2 MiB pages: the loader reads them into huge pages,
+    and where memory is too full or fragmented for all of them the rest stays in 4 KiB pages, which slows decode
+    (optimum_neuronx/huge_pages.py)."""
     from optimum_neuronx.huge_pages import huge_page_share_between
 
     weights = [w for w in model._weights.values() if w.numel()]

@@ -175,8 +175,9 @@ def load_weights(directory: str | Path, meta: dict, huge_pages: bool = False) ->
     path = str(Path(directory) / WEIGHTS_NAME)
     compiler = meta["versions"]["compiler"]
     packable = set(compiler.get("packable_weights", ()))
-    weights = _read_into_huge_pages(path, exclude=packable) if huge_pages else None
-    if weights is None:
+    if huge_pages:
+        weights = _read_into_huge_pages(path, exclude=packable)
+    else:
         with safe_open(path, framework="pt") as f:
             weights = {name: f.get_tensor(name) for name in f.keys() if name not in packable}
     if packable:
@@ -192,18 +193,19 @@ def load_weights(directory: str | Path, meta: dict, huge_pages: bool = False) ->
 # file's page cache given back first (its folios are the free 2 MiB blocks the collapse needs). A 1.1B fp32 load
 # next to another copy and a full page cache got 93% and ran its small pages ~20% slower (docs/performance.md).
 HUGE_PAGE_TARGET = 0.98
-# Below this share after that the read copy is dropped for the mapped file, whose page cache may hold more (the
-# 1.1B fp32 export's mapping here: 85-89% huge after a while, all of it just after the export was written).
+# Below this share after that the load logs how much of the copy decode streams from 4 KiB pages. It keeps the
+# copy: the mapped file, whose page cache was just given back, would fault in from storage into small pages (0%
+# PMD-mapped where a load fell back to it, docs/performance.md).
 MIN_HUGE_PAGE_SHARE = 0.9
 
 
-def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) -> dict[str, torch.Tensor] | None:
+def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file at `path` but `exclude`, read into one huge_page_buffer, each starting
-    on a WEIGHTS_ALIGNMENT boundary; None when the kernel gave fewer than MIN_HUGE_PAGE_SHARE of its pages as huge
-    pages even after a collapse, and another with the file's page cache dropped (memory full and fragmented: 880
-    MiB of 2.1 GB on this host with a second copy loaded, before the drop): 4 KiB pages there would stream slower
-    than a mapping. Chunks of `chunk_bytes` are read by a few threads: the copy out of the page cache and the
-    kernel's zeroing of fresh pages take one core each (4.2 GB in ~0.3 s on 2 cores, cached)."""
+    on a WEIGHTS_ALIGNMENT boundary, as many of its pages in huge pages as the kernel gives after a collapse and,
+    where short, another with the file's page cache dropped (memory full and fragmented: 880 MiB of 2.1 GB on this
+    host with a second copy loaded, before the drop); logged below MIN_HUGE_PAGE_SHARE. Chunks of `chunk_bytes`
+    are read by a few threads: the copy out of the page cache and the kernel's zeroing of fresh pages take one
+    core each (4.2 GB in ~0.3 s on 2 cores, cached)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .huge_pages import huge_page_buffer, settle
@@ -246,9 +248,9 @@ def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) 
         os.close(descriptor)
     share = settle(buffer, HUGE_PAGE_TARGET, make_room=lambda: _drop_cached(path))
     if share < MIN_HUGE_PAGE_SHARE:
-        logger.info("Only %.0f%% of %s's weights got huge pages (fragmented memory): mapping the file instead.",
-                    100 * share, path)
-        return None
+        logger.warning("Only %.0f%% of %s's weights got 2 MiB pages (memory full or fragmented): decode streams the "
+                       "rest from 4 KiB pages, up to ~20%% slower. Loading with more memory free gives it more.",
+                       100 * share, path)
     return {name: buffer[start:start + count].view(dtypes[header[name]["dtype"]]).view(header[name]["shape"])
             for name, (_, count, start) in layout.items()}
 
