@@ -17,8 +17,8 @@ copy and a multiply + sum compiled like our decode projections, over a 1 GiB mat
 the bandwidth decode can use; the parent process samples them before and after every timed decode repeat (the
 job waits meanwhile), so a bound and the rate it bounds come from the same minutes. Bound = the median over
 those samples of the fastest probe / bytes read per decode step (streamed weights + KV cache in use). Before the
-first job, the checkpoints are made in a process of their own while the first probe compiles. Beside each
-bandwidth sample and before and after each timed decode repeat, the round trip of a cache line between the two
+first job, the checkpoints are made in a process of their own while the first probe compiles. Before and after
+each bandwidth sample and each timed decode repeat, the round trip of a cache line between the two
 CPUs (core_round_trip.py): on a virtual machine whose host moves its CPUs it tells which memory phase a number
 came from. Writes results.json, results.md and results.png to --output-dir (bench_report.py: each repeat set
 against the samples right before and after it and labelled by the CPUs' placement, a table per placement).
@@ -444,9 +444,10 @@ class BandwidthProbe:
             return load_package(package_aoti(str(Path(directory) / "dot.pt2"), files))
 
     def sample(self, repeats: int = 3) -> dict:
-        """Each probe's GB/s ("..._gb_s"), and the cores' round trip in ns taken just before them."""
+        """Each probe's GB/s ("..._gb_s"), and the cores' round trip in ns taken right before and after them (the
+        host can move the CPUs in the second or two the probes take)."""
         nbytes = self.weight.numel() * self.weight.dtype.itemsize
-        round_trip_ns = self.round_trip.measure()
+        before = self.round_trip.measure()
 
         def best_gb_s(fn, traffic: int) -> float:
             fn()
@@ -457,7 +458,7 @@ class BandwidthProbe:
                    "reduction_gb_s": best_gb_s(lambda: self.reduction(self.weight, self.x), nbytes)}
         if self.dot_kernel is not None:
             samples["dot_kernel_gb_s"] = best_gb_s(lambda: self.dot_kernel(self.x, self.weight), nbytes)
-        return dict(samples, core_round_trip_ns=round_trip_ns)
+        return dict(samples, core_round_trip_ns=[before, self.round_trip.measure()])
 
 
 def bandwidth_summary(samples: list[dict]) -> dict:

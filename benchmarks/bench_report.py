@@ -48,10 +48,15 @@ def placement(round_trips: list, split: float | None) -> str:
     return "mixed" if len(sides) > 1 else ("apart" if sides.pop() else "near")
 
 
+def _sample_round_trips(sample: dict) -> list:
+    """A bandwidth sample's round trips, before and after its probes ([None] where it has none)."""
+    return sample.get("core_round_trip_ns", [None])
+
+
 def _run_round_trips(rows: list[dict]):
     for row in rows:
         for sample in row.get("bandwidth", {}).get("samples", []):
-            yield sample.get("core_round_trip_ns")
+            yield from _sample_round_trips(sample)
         for timed in row.get("decode_repeats", []):
             yield from timed["core_round_trip_ns"]
 
@@ -59,7 +64,7 @@ def _run_round_trips(rows: list[dict]):
 def label_repeats(rows: list[dict]) -> float | None:
     """Give each decode repeat its rate's share of the bound sampled right before and after it
     ("percent_of_bound"; row["tok_s_per_gb_s"] turns GB/s into its tokens/s) and where the CPUs ran ("cpus":
-    the round trips of both samples and of the repeat's two ends, against the run's split). Returns the split."""
+    the round trips at both ends of both samples and of the repeat, against the run's split). Returns the split."""
     split = placement_split(_run_round_trips(rows))
     for row in rows:
         samples = row.get("bandwidth", {}).get("samples", [])
@@ -69,8 +74,8 @@ def label_repeats(rows: list[dict]) -> float | None:
         for timed, before, after in zip(repeats, samples, samples[1:]):
             bound_tok_s = (fastest_gb_s(before) + fastest_gb_s(after)) / 2 * row["tok_s_per_gb_s"]
             timed["percent_of_bound"] = 100 * timed["decode_tok_s"] / bound_tok_s
-            timed["cpus"] = placement([before.get("core_round_trip_ns"), *timed["core_round_trip_ns"],
-                                       after.get("core_round_trip_ns")], split)
+            timed["cpus"] = placement([*_sample_round_trips(before), *timed["core_round_trip_ns"],
+                                       *_sample_round_trips(after)], split)
     return split
 
 

@@ -146,15 +146,16 @@ def test_bandwidth_probe_reports_each_kernel(bench):
         out = probe.dot_kernel(probe.x, probe.weight)
         torch.testing.assert_close(out.float(), torch.nn.functional.linear(probe.x.float(), probe.weight.float()),
                                    rtol=2 ** -7, atol=1e-2)
-    assert set(sample) == expected | {"core_round_trip_ns"}
+    assert set(sample) == expected | {"core_round_trip_ns"}  # before and after the probes
     assert all(value > 0 for name, value in sample.items() if name in expected)
-    assert sample["core_round_trip_ns"] > 0 if two_cpus() else sample["core_round_trip_ns"] is None
+    assert len(sample["core_round_trip_ns"]) == 2
+    assert all(ns > 0 if two_cpus() else ns is None for ns in sample["core_round_trip_ns"])
 
 
 def test_the_bound_is_the_fastest_probe_not_the_cores_round_trip(bench):
-    samples = [{"gemv_gb_s": 30.0, "copy_gb_s": 40.0, "core_round_trip_ns": 320.0},
-               {"gemv_gb_s": 50.0, "copy_gb_s": 20.0, "core_round_trip_ns": 60.0},
-               {"gemv_gb_s": 10.0, "copy_gb_s": 35.0, "core_round_trip_ns": None}]
+    samples = [{"gemv_gb_s": 30.0, "copy_gb_s": 40.0, "core_round_trip_ns": [320.0, 330.0]},
+               {"gemv_gb_s": 50.0, "copy_gb_s": 20.0, "core_round_trip_ns": [60.0, 62.0]},
+               {"gemv_gb_s": 10.0, "copy_gb_s": 35.0, "core_round_trip_ns": [None, None]}]
     summary = bench.bandwidth_summary(samples)
     assert (summary["bound_gb_s"], summary["bound_min_gb_s"], summary["bound_max_gb_s"]) == (40.0, 35.0, 50.0)
 
@@ -199,30 +200,34 @@ def test_two_placements_of_the_cpus_split_at_the_first_wide_gap_in_their_round_t
 
 def _ran(system, batch_size, repeats, samples=None, **extra):
     """A row: its decode repeats (rate, round trips at the repeat's ends) and the bandwidth samples taken before
-    the first and after each (GB/s of the fastest probe, round trip)."""
+    the first and after each (GB/s of the fastest probe, round trips before and after the probes)."""
     row = dict(model="m", dtype="fp32", batch_size=batch_size, system=system, tok_s_per_gb_s=2.0, decode_repeats=[
         {"seconds": 1.0, "decode_tok_s": rate, "core_round_trip_ns": list(ends)} for rate, ends in repeats], **extra)
     if samples is not None:
-        row["bandwidth"] = {"samples": [{"gemv_gb_s": gb_s / 2, "copy_gb_s": gb_s, "core_round_trip_ns": ns}
-                                        for gb_s, ns in samples]}
+        row["bandwidth"] = {"samples": [{"gemv_gb_s": gb_s / 2, "copy_gb_s": gb_s, "core_round_trip_ns": list(ends)}
+                                        for gb_s, ends in samples]}
     return row
 
 
 def test_each_repeat_is_set_against_the_samples_either_side_and_labelled_by_where_the_cpus_ran(report):
     row = _ran(report.SYSTEMS[2], 1, repeats=[(50.0, (60, 70)), (80.0, (70, 320)), (99.0, (330, 320))],
-               samples=[(30.0, 62), (40.0, 64), (60.0, 310), (50.0, 300)])
+               samples=[(30.0, (62, 61)), (40.0, (64, 66)), (60.0, (310, 305)), (50.0, (300, 320))])
+    # the CPUs moved apart while the probes after the repeat ran: its bound is not all from its placement
+    moved = _ran(report.SYSTEMS[1], 1, repeats=[(50.0, (60, 70))], samples=[(30.0, (62, 61)), (40.0, (64, 330))])
     unsampled = _ran(report.SYSTEMS[0], 1, repeats=[(10.0, (60, 330))])
-    split = report.label_repeats([row, unsampled])
+    split = report.label_repeats([row, moved, unsampled])
     assert 70 < split < 300
     # bound of a repeat: the fastest probes of the samples before and after it, (30 + 40) / 2 GB/s * 2 tok/s per GB/s
     assert [timed["percent_of_bound"] for timed in row["decode_repeats"]] == pytest.approx(
         [100 * 50 / 70, 100 * 80 / 100, 100 * 99 / 110])
     assert [timed["cpus"] for timed in row["decode_repeats"]] == ["near", "mixed", "apart"]
     assert report.percent_of_bound(row) == pytest.approx(80.0)  # their median
+    assert moved["decode_repeats"][0]["cpus"] == "mixed"
     assert "cpus" not in unsampled["decode_repeats"][0]  # no samples around it: nothing to set it against
 
-    one_cpu = _ran(report.SYSTEMS[2], 1, repeats=[(50.0, (None, None))], samples=[(30.0, None), (40.0, None)])
-    steady = _ran(report.SYSTEMS[2], 1, repeats=[(50.0, (60, 70))], samples=[(30.0, 62), (40.0, 64)])
+    one_cpu = _ran(report.SYSTEMS[2], 1, repeats=[(50.0, (None, None))],
+                   samples=[(30.0, (None, None)), (40.0, (None, None))])
+    steady = _ran(report.SYSTEMS[2], 1, repeats=[(50.0, (60, 70))], samples=[(30.0, (62, 61)), (40.0, (64, 66))])
     assert report.label_repeats([one_cpu]) is None and report.label_repeats([steady]) is None
     assert one_cpu["decode_repeats"][0]["cpus"] == steady["decode_repeats"][0]["cpus"] == "one placement"
 
