@@ -176,6 +176,23 @@ def test_cores_round_trip_is_measured_between_two_cpus_and_not_on_one(bench):
         os.sched_setaffinity(0, allowed)
 
 
+def test_cores_round_trip_is_the_median_of_its_batches(bench):
+    class Library:  # one batch of five slowed by the host: the round trip stays the placement's
+        def __init__(self, means):
+            self.means, self.calls = list(means), []
+
+        def round_trip_ns(self, cpu_a, cpu_b, warmup, trips):
+            self.calls.append((cpu_a, cpu_b, warmup, trips))
+            return self.means.pop(0)
+
+    round_trip = bench.CoreRoundTrip.__new__(bench.CoreRoundTrip)
+    round_trip._cpus, round_trip._library = [0, 1], Library([60.0, 62.0, 2000.0, 58.0, 61.0])
+    assert round_trip.measure(trips=1000) == 61.0
+    assert round_trip._library.calls == [(0, 1, 20, 200)] * 5
+    round_trip._library = Library([60.0, -1.0, 60.0, 60.0, 60.0])  # a thread that could not be pinned
+    assert round_trip.measure() is None
+
+
 def test_the_table_shows_the_round_trips_around_a_rows_decode_repeats(report):
     row = {"model": "m", "dtype": "fp32", "batch_size": 1, "system": report.SYSTEMS[0], "ttft_s": {"8": 0.1},
            "decode_tok_s": 10.0, "bound_tok_s": 20.0, "peak_rss_gib": 1.0,
