@@ -1,5 +1,5 @@
 """How far apart the two CPUs a decode runs on are: the round trip of one cache line between two threads pinned to
-them, in nanoseconds (the benchmark records it beside every bandwidth sample and decode repeat).
+them, in nanoseconds (the benchmark records it before and after every bandwidth sample and decode repeat).
 
 On a virtual machine the host decides where the guest's CPUs run, and moves them, within seconds under load. On
 the 2-CPU Zen 4 guest of docs/performance.md the round trip is bimodal, and it tells the memory phase: ~55-110 ns
