@@ -17,9 +17,10 @@ ISA_NEEDS = {"avx512_bf16": ["avx512"], "avx512": ["avx512"], "avx2": ["avx2"]}
 # (batch, KV heads, query rows per KV head, head dim, window, new tokens, cache slots). SmolLM2's decode step (3
 # query heads of 64 per KV head over a 192-slot window), a group of 8 (the 1.1B shape) over a window whose scores
 # end in a tail past whole vectors (37 + 1), a head dim past whole vectors (80), two new tokens (6 rows), and a
-# single sequence, head and key; and windows whose ends every row masks.
+# single sequence, head and key; and windows whose ends every row masks; a head dim of 128 with 5 rows (groups of 4
+# and 1 in the bfloat16 rows' loops) and two new tokens, whose rows are not back to back.
 CASES = [(4, 3, 3, 64, 192, 1, 256), (2, 4, 8, 64, 37, 1, 64), (3, 2, 6, 80, 50, 2, 64), (1, 1, 1, 16, 1, 1, 8),
-         (3, 2, 3, 64, 100, 1, 128)]
+         (3, 2, 3, 64, 100, 1, 128), (3, 2, 5, 128, 45, 2, 64)]
 # Per case, each sequence's window slots [first, last) that its rows may see (left padding before, the bucket's
 # unused slots after). Slots outside hold NaN: the kernel must not read them (a NaN key or value would poison
 # every row's sum even at weight 0); the reference reads zeros there.
@@ -61,9 +62,18 @@ def _cases(dtype):
     return cases
 
 
-def _expected(case):
+def _rounds_query(isa, case):
+    # With avx512_bf16, bfloat16 rows of 64 or 128 are multiplied by vdpbf16ps against the query rounded to
+    # bfloat16 (as Transformers' bfloat16 attention has it), for both parts.
+    q, cache = case[:2]
+    return isa == "avx512_bf16" and cache.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
+
+
+def _expected(case, round_query=False):
     # float64 of the same operands, rounded once to the keys' dtype
     q, cache, cache_mask, new_kv, new_mask = case
+    if round_query:
+        q = q.bfloat16()
     window = cache_mask.shape[-1]
     cache = cache.nan_to_num(0.0)
     keys = torch.cat((cache[0, :, :, :window], new_kv[0].transpose(1, 2)), dim=2).double()
@@ -98,19 +108,34 @@ def attention_package(request, tmp_path_factory):
     files = torch._inductor.aot_compile(program.module(), args, options={
         "aot_inductor.package": True, **c_shim_options(0, isa, attention=True)})
     path = package_aoti(str(tmp_path_factory.mktemp("attention") / "attention.pt2"), files)
-    return path, load_package(path), module, args
+    return path, load_package(path), module, args, isa
 
 
 def test_kernel_matches_float64_attention(attention_package):
-    _, compiled, module, args = attention_package
+    _, compiled, module, args, isa = attention_package
     outs = compiled(*args)
     assert len(outs) == len(CASES)
     for out, case, eager in zip(outs, args[0], module(*args)):
-        expected = _expected(case)
+        expected = _expected(case, _rounds_query(isa, case))
         assert out.dtype == expected.dtype and out.shape == expected.shape
         _assert_close(out, expected)
         if not case[1].isnan().any():  # (the eager definition reads every slot)
-            _assert_close(eager, expected)  # the op's eager definition: what other backends and export trace
+            _assert_close(eager, _expected(case))  # the op's eager definition: what other backends and export trace
+
+
+def test_bf16_rows_take_the_query_rounded_to_bf16(attention_package):
+    # Where the kernel rounds the query, the float64 reference with the exact query is measurably further away:
+    # the rounding is what the kernel does, not noise within the tolerance.
+    _, compiled, _, args, isa = attention_package
+    rounded = [index for index, case in enumerate(args[0]) if _rounds_query(isa, case)]
+    if not rounded:
+        pytest.skip(f"the {isa} kernel keeps float32 queries for these keys")
+    outs = compiled(*args)
+    for index in rounded:
+        out = outs[index].double()
+        to_rounded = (out - _expected(args[0][index], True).double()).abs().mean()
+        to_exact = (out - _expected(args[0][index]).double()).abs().mean()
+        assert to_rounded < to_exact
 
 
 def test_graph_calls_the_kernel_directly(attention_package):

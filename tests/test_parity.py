@@ -9,7 +9,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import ARCHITECTURES, left_padded_prompts
+from conftest import ARCHITECTURES, build_tiny_checkpoint, left_padded_prompts
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
 
@@ -122,6 +122,22 @@ def test_bf16_batch_1_with_wide_rows_through_the_multiply_and_sum(tiny_checkpoin
     assert wrapper.count("aoti_torch_cpu_rows_matvec(") == 1 + 4
     input_ids, attention_mask = (t[2:] for t in left_padded_batch)  # the 14-token row
     _assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask)
+
+
+def test_bf16_logits_within_tolerance_with_heads_of_64(tmp_path, left_padded_batch):
+    # Heads of 64 (SmolLM2's, the 1.1B shape's): with avx512_bf16 decode attention reads the bfloat16 cache with
+    # vdpbf16ps against the query rounded to bfloat16 (decode_attention.cpp, Bf16Rows); the tiny llama's heads of
+    # 16 take the float32 loops. 3 query heads per KV head, as SmolLM2.
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = build_tiny_checkpoint("llama", tmp_path / "heads-of-64", hidden_size=96, head_dim=64,
+                                       num_attention_heads=6, num_key_value_heads=2)
+    model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, batch_size=2, sequence_length=32,
+                                                   context_buckets=[16], token_buckets=[32], auto_cast_type="bf16",
+                                                   compile_cache=False)
+    input_ids, attention_mask = (t[1:] for t in left_padded_batch)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    _assert_bf16_logits_within_tolerance(model, lambda _: checkpoint, lambda _: reference, input_ids, attention_mask)
 
 
 def _assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask):

@@ -14,7 +14,8 @@
 // SmolLM2's batch-4 shape, Zen 3. A whole block's masked scores as one vector, a cache's back-to-back rows
 // prefetched a line at a time and the softmax's maximum taken lane by lane: SmolLM2's batch-4 token graphs 1.03x
 // (float32) and 1.014x (bfloat16) faster on Zen 5. Of the window, only the keys some row sees are read
-// (seen_window).
+// (seen_window). With avx512_bf16, bfloat16 keys and values whose rows are 64 or 128 elements back to back take
+// their own loops (Bf16Rows below), without the float32 copy of each block.
 //
 // Spliced after rows_matvec.cpp into the same wrapper (inductor_kernels.py), whose helpers it uses.
 
@@ -323,6 +324,152 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void softmax_weights(float* __restrict scores, 
   }
 }
 
+#if OPTIMUM_NEURONX_DOT_AVX512 && OPTIMUM_NEURONX_DOT_BF16_NATIVE
+// Bfloat16 keys and values whose rows are kD elements back to back (a cache window; a single new token), on CPUs with
+// avx512_bf16. part_scores and part_values copy each block of rows widened to float32 and read the copy back once
+// per query row: on Zen 4 that and the loads of 16 row pointers took ~60 cycles per key at SmolLM2's batch-4 shape
+// with the cache in L2. Here each key is multiplied straight from the cache by vdpbf16ps against the query rows
+// rounded once to bfloat16 (as Transformers' bfloat16 attention has them; the products and their sums stay float32),
+// and each value row is widened in registers and added into float32 sums exactly as part_values does. C harness,
+// SmolLM2's 30 layers at batch 4 (Zen 4, 2 threads): 1271 -> 671 us a step from memory, 914 -> 361 us from L2; at
+// batch 1 389 -> 221 us (docs/performance.md, "Decode attention on bfloat16 rows").
+#define OPTIMUM_NEURONX_ATTENTION_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16"), optimize("O3")))
+
+template <int kD>
+struct Bf16Rows {
+  static constexpr int kVectors = kD / 32;  // 32 bfloat16 per vector
+  static constexpr int64_t kAhead = 2 * kLanes;  // rows prefetched ahead
+
+  OPTIMUM_NEURONX_ATTENTION_BF16_TARGET __attribute__((always_inline)) static inline __m512bh load(const uint16_t* p) {
+    __m512bh v;
+    __builtin_memcpy(&v, p, sizeof(v));
+    return v;
+  }
+
+  // Rows [from, to) of `part` (clipped to `length`) into L1 (kLocality 3) or L2 (1).
+  template <int kLocality>
+  OPTIMUM_NEURONX_ATTENTION_BF16_TARGET __attribute__((always_inline)) static inline void prefetch(
+      const uint16_t* part, int64_t from, int64_t to, int64_t length) {
+    const int64_t end = to < length ? to : length;
+    for (int64_t at = from * kD * 2; at < end * kD * 2; at += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(part) + at, 0, kLocality);
+  }
+
+  // q_bf16: rows x kD query elements rounded to bfloat16 (round_queries). The keys are prefetched into L2 (from
+  // L1 with the hint of part_scores: 1.17x slower from memory, same harness), the block's values into L2 for
+  // add_values.
+  OPTIMUM_NEURONX_ATTENTION_BF16_TARGET static void scores(const uint16_t* __restrict q_bf16, int64_t rows,
+                                                           const uint16_t* __restrict keys,
+                                                           const uint16_t* __restrict mask,
+                                                           const int64_t* mask_strides, int64_t length,
+                                                           float* __restrict out, int64_t stride,
+                                                           const uint16_t* __restrict values) {
+    prefetch<1>(keys, 0, kAhead, length);
+    int64_t j0 = 0;
+    for (; j0 + kLanes <= length; j0 += kLanes) {
+      prefetch<1>(keys, j0 + kAhead, j0 + kAhead + kLanes, length);
+      prefetch<1>(values, j0, j0 + kLanes, length);
+      const uint16_t* block = keys + j0 * kD;
+      for (int64_t r = 0; r < rows; ++r) {
+        __m512bh x[kVectors];
+#pragma GCC unroll 4
+        for (int v = 0; v < kVectors; ++v) x[v] = load(q_bf16 + r * kD + v * 32);
+        Floats acc[kLanes];
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) {
+          __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), load(block + j * kD), x[0]);
+#pragma GCC unroll 4
+          for (int v = 1; v < kVectors; ++v) sum = _mm512_dpbf16_ps(sum, load(block + j * kD + v * 32), x[v]);
+          acc[j] = (Floats)sum;
+        }
+        const Floats sums = lane_sums(acc);
+        const uint16_t* m = mask + r * mask_strides[2] + j0 * mask_strides[3];
+        if (mask_strides[3] == 1) {
+          const Floats masked = sums + load_floats(m);
+          __builtin_memcpy(out + r * stride + j0, &masked, sizeof(masked));
+        } else {
+          for (int64_t j = 0; j < kLanes; ++j) out[r * stride + j0 + j] = sums[j] + to_float(m[j * mask_strides[3]]);
+        }
+      }
+    }
+    for (int64_t j = j0; j < length; ++j)  // the last few keys one at a time
+      for (int64_t r = 0; r < rows; ++r) {
+        __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int v = 0; v < kVectors; ++v)
+          sum = _mm512_dpbf16_ps(sum, load(keys + j * kD + v * 32), load(q_bf16 + r * kD + v * 32));
+        out[r * stride + j] = _mm512_reduce_add_ps(sum) + to_float(mask[r * mask_strides[2] + j * mask_strides[3]]);
+      }
+  }
+
+  // out[r] += sum_j weights[r * stride + j] * values[j] for kRows rows, 4 vectors of 16 float32 sums per row and
+  // pass, each value row widened once for all kRows rows.
+  template <int kRows>
+  OPTIMUM_NEURONX_ATTENTION_BF16_TARGET static void add_values(float* __restrict out, const uint16_t* __restrict values,
+                                                               int64_t length, const float* __restrict weights,
+                                                               int64_t stride) {
+    constexpr int kPass = 4;
+    for (int i0 = 0; i0 < kD; i0 += kPass * kLanes) {
+      Floats acc[kRows][kPass];
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < kPass; ++v) acc[r][v] = load_floats(out + r * kD + i0 + v * kLanes);
+      prefetch<3>(values, 0, kAhead, length);
+      for (int64_t j = 0; j < length; ++j) {
+        if (j % kLanes == 0) prefetch<3>(values, j + kAhead, j + kAhead + kLanes, length);
+        Floats line[kPass];
+#pragma GCC unroll 4
+        for (int v = 0; v < kPass; ++v) line[v] = load_floats(values + j * kD + i0 + v * kLanes);
+#pragma GCC unroll 4
+        for (int r = 0; r < kRows; ++r) {
+          const Floats weight = splat(weights[r * stride + j]);
+#pragma GCC unroll 4
+          for (int v = 0; v < kPass; ++v) acc[r][v] = OPTIMUM_NEURONX_FMA(weight, line[v], acc[r][v]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < kPass; ++v) __builtin_memcpy(out + r * kD + i0 + v * kLanes, &acc[r][v], sizeof(Floats));
+    }
+  }
+
+  static void values_of(const float* weights, int64_t rows, const uint16_t* values, int64_t length, int64_t stride,
+                        float* out) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      float* o = out + r0 * kD;
+      const float* w = weights + r0 * stride;
+      switch (rows - r0 < 4 ? rows - r0 : 4) {
+        case 4: add_values<4>(o, values, length, w, stride); break;
+        case 3: add_values<3>(o, values, length, w, stride); break;
+        case 2: add_values<2>(o, values, length, w, stride); break;
+        default: add_values<1>(o, values, length, w, stride); break;
+      }
+    }
+  }
+};
+
+// `count` float32 query elements rounded to bfloat16 (to nearest even, as round_to_bf16).
+OPTIMUM_NEURONX_ATTENTION_BF16_TARGET inline void round_queries(uint16_t* __restrict out, const float* __restrict in,
+                                                                int64_t count) {
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32)
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + i + 16), _mm512_loadu_ps(in + i)));
+  for (; i < count; ++i) out[i] = round_to_bf16(in[i]);
+}
+
+// Whether Bf16Rows<d> takes a part of `length` rows with these strides: rows back to back (one row: any spacing).
+// The query rows are then rounded for both parts (attend), so the other loops see the same query.
+inline bool bf16_rows(int64_t d, const int64_t* strides, int64_t length) {
+  return (d == 64 || d == 128) && strides[3] == 1 && (strides[2] == d || length <= 1);
+}
+#undef OPTIMUM_NEURONX_ATTENTION_BF16_TARGET
+#define OPTIMUM_NEURONX_ATTENTION_BF16_ROWS 1
+#else
+#define OPTIMUM_NEURONX_ATTENTION_BF16_ROWS 0
+#endif
+
 // An additive mask at or below this hides its key: the decoder's masks are 0 or the dtype's lowest (-3.4e38).
 constexpr float kHidden = -1e30f;
 
@@ -375,6 +522,7 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
   float* totals = sums + rows * d;            // [rows], the sums of the weights
   float* zeros = totals + rows;               // [d]
   float* scratch = zeros + d;                 // [kLanes, d], a block of key or value rows as float32
+  uint16_t* q_bf16 = reinterpret_cast<uint16_t*>(scratch + kLanes * d);  // [rows, d], for Bf16Rows
   for (int64_t r = 0; r < rows; ++r)
     row_to_floats(query + r * d, q + b * q_strides[0] + h * q_strides[1] + r * q_strides[2], d, q_strides[3]);
   __builtin_memset(zeros, 0, d * sizeof(float));
@@ -382,17 +530,44 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
   for (int i = 0; i < 4; ++i)
     own[i] = kv[i] + b * kv_strides[i][0] + h * kv_strides[i][1] + (i < 2 ? first * kv_strides[i][2] : 0);
   const int64_t offsets[2] = {0, lengths[0]};  // each part's first column of `scores`
+#if OPTIMUM_NEURONX_ATTENTION_BF16_ROWS
+  // Bfloat16 rows of 64 or 128: the query rows rounded to bfloat16 for both parts, whichever loops take them.
+  const bool bf16_query = sizeof(Element) == sizeof(uint16_t) && (d == 64 || d == 128);
+  if (bf16_query) {
+    round_queries(q_bf16, query, rows * d);
+    for (int64_t i = 0; i < rows * d; ++i) query[i] = to_float(q_bf16[i]);
+  }
+#endif
   for (int p = 0; p < 2; ++p) {
     const int64_t* ms = mask_strides[p];
     const Element* mask = masks[p] + b * ms[0] + (p == 0 ? first * ms[3] : 0);
+#if OPTIMUM_NEURONX_ATTENTION_BF16_ROWS
+    if constexpr (sizeof(Element) == sizeof(uint16_t)) {
+      if (bf16_query && bf16_rows(d, kv_strides[2 * p], lengths[p])) {
+        (d == 64 ? Bf16Rows<64>::scores : Bf16Rows<128>::scores)(q_bf16, rows, own[2 * p], mask, ms, lengths[p],
+                                                                 scores + offsets[p], length, own[2 * p + 1]);
+        continue;
+      }
+    }
+#endif
     part_scores(query, rows, d, own[2 * p], kv_strides[2 * p], mask, ms, lengths[p],
                 scores + offsets[p], length, scratch, zeros, own[2 * p + 1], kv_strides[2 * p + 1]);
   }
   softmax_weights(scores, rows, length, length, totals);
   __builtin_memset(sums, 0, rows * d * sizeof(float));
-  for (int p = 0; p < 2; ++p)
+  for (int p = 0; p < 2; ++p) {
+#if OPTIMUM_NEURONX_ATTENTION_BF16_ROWS
+    if constexpr (sizeof(Element) == sizeof(uint16_t)) {
+      if (bf16_query && bf16_rows(d, kv_strides[2 * p + 1], lengths[p])) {
+        (d == 64 ? Bf16Rows<64>::values_of : Bf16Rows<128>::values_of)(scores + offsets[p], rows, own[2 * p + 1],
+                                                                        lengths[p], length, sums);
+        continue;
+      }
+    }
+#endif
     part_values(scores + offsets[p], rows, d, own[2 * p + 1], kv_strides[2 * p + 1], lengths[p], length, sums,
                 scratch, zeros);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const float inverse = 1.f / totals[r];
     for (int64_t i = 0; i < d; ++i) store_element(y + r * d + i, sums[r * d + i] * inverse);
@@ -411,7 +586,7 @@ bool decode_attention(const float* q, const int64_t* q_strides, void* const (&kv
   const Element* masks[2] = {static_cast<const Element*>(mask_data[0]), static_cast<const Element*>(mask_data[1])};
   Element* out = static_cast<Element*>(out_data);
   const int64_t lengths[2] = {window, fresh};
-  const int64_t need = 2 * rows * d + rows * (window + fresh) + rows + (1 + kLanes) * d;
+  const int64_t need = 2 * rows * d + rows * (window + fresh) + rows + (1 + kLanes) * d + (rows * d + 1) / 2;
   int failed = 0;
 #pragma omp parallel
   {
@@ -433,6 +608,7 @@ bool decode_attention(const float* q, const int64_t* q_strides, void* const (&kv
 }  // namespace optimum_neuronx_kernels
 
 #undef OPTIMUM_NEURONX_ATTENTION_TARGET
+#undef OPTIMUM_NEURONX_ATTENTION_BF16_ROWS
 #undef OPTIMUM_NEURONX_FMA
 #undef OPTIMUM_NEURONX_WIDEN
 
