@@ -331,7 +331,7 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void softmax_weights(float* __restrict scores, 
 // with the cache in L2. Here each key is multiplied straight from the cache by vdpbf16ps against the query rows
 // rounded once to bfloat16 (as Transformers' bfloat16 attention has them; the products and their sums stay float32),
 // and each value row is widened in registers and added into float32 sums exactly as part_values does. C harness,
-// SmolLM2's 30 layers at batch 4 (Zen 4, 2 threads): 1271 -> 671 us a step from memory, 914 -> 361 us from L2; at
+// SmolLM2's 30 layers at batch 4 (Zen 4, 2 threads): 1259 -> 671 us a step from memory, 914 -> 361 us from L2; at
 // batch 1 389 -> 221 us (docs/performance.md, "Decode attention on bfloat16 rows").
 #define OPTIMUM_NEURONX_ATTENTION_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16"), optimize("O3")))
 
