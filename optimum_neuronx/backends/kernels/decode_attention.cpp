@@ -14,8 +14,8 @@
 // SmolLM2's batch-4 shape, Zen 3. A whole block's masked scores as one vector, a cache's back-to-back rows
 // prefetched a line at a time and the softmax's maximum taken lane by lane: SmolLM2's batch-4 token graphs 1.03x
 // (float32) and 1.014x (bfloat16) faster on Zen 5. Of the window, only the keys some row sees are read
-// (seen_window). With avx512_bf16, bfloat16 keys and values whose rows are 64 or 128 elements back to back take
-// their own loops (Bf16Rows below), without the float32 copy of each block.
+// (seen_window). On AVX-512, keys and values whose rows are 64 or 128 elements back to back take their own loops
+// (DenseRows below; bfloat16 with avx512_bf16): every row at a fixed offset, no float32 copy of a bfloat16 block.
 //
 // Spliced after rows_matvec.cpp into the same wrapper (inductor_kernels.py), whose helpers it uses.
 
@@ -324,66 +324,89 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void softmax_weights(float* __restrict scores, 
   }
 }
 
-#if OPTIMUM_NEURONX_DOT_AVX512 && OPTIMUM_NEURONX_DOT_BF16_NATIVE
-// Bfloat16 keys and values whose rows are kD elements back to back (a cache window; a single new token), on CPUs with
-// avx512_bf16. part_scores and part_values copy each block of rows widened to float32 and read the copy back once
-// per query row: on Zen 4 that and the loads of 16 row pointers took ~60 cycles per key at SmolLM2's batch-4 shape
-// with the cache in L2. Here each key is multiplied straight from the cache by vdpbf16ps against the query rows
-// rounded once to bfloat16 (as Transformers' bfloat16 attention has them; the products and their sums stay float32),
-// and each value row is widened in registers and added into float32 sums exactly as part_values does. C harness,
-// SmolLM2's 30 layers at batch 4 (Zen 4, 2 threads): 1259 -> 671 us a step from memory, 914 -> 361 us from L2; at
-// batch 1 389 -> 221 us (docs/performance.md, "Decode attention on bfloat16 rows").
-#define OPTIMUM_NEURONX_ATTENTION_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16"), optimize("O3")))
+#if OPTIMUM_NEURONX_DOT_AVX512
+// Keys and values whose rows are kD elements back to back (a cache window; a single new token) on AVX-512: float32,
+// and bfloat16 where the CPU has avx512_bf16. part_scores and part_values take each block of rows through 16 row
+// pointers (bfloat16: a float32 copy of the block, read back once per query row): on Zen 4 that took ~60 cycles a
+// bfloat16 key at SmolLM2's batch-4 shape with the cache in L2. Here every row is at a fixed offset from the block's
+// start; a bfloat16 key is multiplied straight from the cache by vdpbf16ps against the query rows rounded once to
+// bfloat16 (as Transformers' bfloat16 attention has them; the products and their sums stay float32), a float32 key
+// by the same multiply-adds as part_scores; each value row is widened in registers (bfloat16) and added into float32
+// sums exactly as part_values does. C harness, SmolLM2's 30 layers at batch 4 (Zen 4, 2 threads), bfloat16: 1259 ->
+// 671 us a step from memory, 914 -> 361 us from L2; at batch 1 389 -> 221 us (docs/performance.md, "Decode
+// attention on bfloat16 rows").
+#if OPTIMUM_NEURONX_DOT_BF16_NATIVE
+#define OPTIMUM_NEURONX_DENSE_ROWS_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16"), optimize("O3")))
+#else
+#define OPTIMUM_NEURONX_DENSE_ROWS_TARGET __attribute__((target("avx512f,avx512bw"), optimize("O3")))
+#endif
 
-template <int kD>
-struct Bf16Rows {
-  static constexpr int kVectors = kD / 32;  // 32 bfloat16 per vector
+template <typename Element, int kD>
+struct DenseRows {
+  static constexpr bool kBf16 = sizeof(Element) == sizeof(uint16_t);
+  static constexpr int kPerVector = kBf16 ? 32 : kLanes;  // elements per vector: bfloat16 pairs, or float32 lanes
+  static constexpr int kVectors = kD / kPerVector;
   static constexpr int64_t kAhead = 2 * kLanes;  // rows prefetched ahead
 
-  OPTIMUM_NEURONX_ATTENTION_BF16_TARGET __attribute__((always_inline)) static inline __m512bh load(const uint16_t* p) {
+  // Rows [from, to) of `part` (clipped to `length`) into L1 (kLocality 3) or L2 (1).
+  template <int kLocality>
+  OPTIMUM_NEURONX_DENSE_ROWS_TARGET __attribute__((always_inline)) static inline void prefetch(
+      const Element* part, int64_t from, int64_t to, int64_t length) {
+    const int64_t end = to < length ? to : length;
+    for (int64_t at = from * kD * int64_t(sizeof(Element)); at < end * kD * int64_t(sizeof(Element)); at += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(part) + at, 0, kLocality);
+  }
+
+#if OPTIMUM_NEURONX_DOT_BF16_NATIVE
+  OPTIMUM_NEURONX_DENSE_ROWS_TARGET __attribute__((always_inline)) static inline __m512bh pairs(const uint16_t* p) {
     __m512bh v;
     __builtin_memcpy(&v, p, sizeof(v));
     return v;
   }
+#endif
 
-  // Rows [from, to) of `part` (clipped to `length`) into L1 (kLocality 3) or L2 (1).
-  template <int kLocality>
-  OPTIMUM_NEURONX_ATTENTION_BF16_TARGET __attribute__((always_inline)) static inline void prefetch(
-      const uint16_t* part, int64_t from, int64_t to, int64_t length) {
-    const int64_t end = to < length ? to : length;
-    for (int64_t at = from * kD * 2; at < end * kD * 2; at += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(part) + at, 0, kLocality);
+  // The dot product of a key row with query row `query` (kD elements; bfloat16: rounded, round_queries) as the
+  // lanes of one vector.
+  OPTIMUM_NEURONX_DENSE_ROWS_TARGET __attribute__((always_inline)) static inline Floats dot(const Element* key,
+                                                                                             const Element* query) {
+#if OPTIMUM_NEURONX_DOT_BF16_NATIVE
+    if constexpr (kBf16) {
+      __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), pairs(key), pairs(query));
+#pragma GCC unroll 4
+      for (int v = 1; v < kVectors; ++v) sum = _mm512_dpbf16_ps(sum, pairs(key + v * 32), pairs(query + v * 32));
+      return (Floats)sum;
+    }
+#endif
+    if constexpr (!kBf16) {
+      Floats sum = {};
+#pragma GCC unroll 8
+      for (int v = 0; v < kVectors; ++v)
+        sum = OPTIMUM_NEURONX_FMA(load_floats(query + v * kLanes), load_floats(key + v * kLanes), sum);
+      return sum;
+    }
+    return Floats{};
   }
 
-  // q_bf16: rows x kD query elements rounded to bfloat16 (round_queries). The keys are prefetched into L2 (from
-  // L1 with the hint of part_scores: 1.17x slower from memory, same harness), the block's values into L2 for
-  // add_values.
-  OPTIMUM_NEURONX_ATTENTION_BF16_TARGET static void scores(const uint16_t* __restrict q_bf16, int64_t rows,
-                                                           const uint16_t* __restrict keys,
-                                                           const uint16_t* __restrict mask,
-                                                           const int64_t* mask_strides, int64_t length,
-                                                           float* __restrict out, int64_t stride,
-                                                           const uint16_t* __restrict values) {
+  // Scores of one part, as part_scores: scores[r * stride + j] = query[r] . keys[j] + mask[r, j]; `query` rows x kD
+  // (bfloat16: rounded). The keys are prefetched into L2 (from L1 with part_scores' hint: bfloat16 1.17x slower
+  // from memory, same harness), the block's values into L2 for add_values.
+  OPTIMUM_NEURONX_DENSE_ROWS_TARGET static void scores(const Element* __restrict query, int64_t rows,
+                                                       const Element* __restrict keys, const Element* __restrict mask,
+                                                       const int64_t* mask_strides, int64_t length,
+                                                       float* __restrict out, int64_t stride,
+                                                       const Element* __restrict values) {
     prefetch<1>(keys, 0, kAhead, length);
     int64_t j0 = 0;
     for (; j0 + kLanes <= length; j0 += kLanes) {
       prefetch<1>(keys, j0 + kAhead, j0 + kAhead + kLanes, length);
       prefetch<1>(values, j0, j0 + kLanes, length);
-      const uint16_t* block = keys + j0 * kD;
+      const Element* block = keys + j0 * kD;
       for (int64_t r = 0; r < rows; ++r) {
-        __m512bh x[kVectors];
-#pragma GCC unroll 4
-        for (int v = 0; v < kVectors; ++v) x[v] = load(q_bf16 + r * kD + v * 32);
         Floats acc[kLanes];
 #pragma GCC unroll 16
-        for (int j = 0; j < kLanes; ++j) {
-          __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), load(block + j * kD), x[0]);
-#pragma GCC unroll 4
-          for (int v = 1; v < kVectors; ++v) sum = _mm512_dpbf16_ps(sum, load(block + j * kD + v * 32), x[v]);
-          acc[j] = (Floats)sum;
-        }
+        for (int j = 0; j < kLanes; ++j) acc[j] = dot(block + j * kD, query + r * kD);
         const Floats sums = lane_sums(acc);
-        const uint16_t* m = mask + r * mask_strides[2] + j0 * mask_strides[3];
+        const Element* m = mask + r * mask_strides[2] + j0 * mask_strides[3];
         if (mask_strides[3] == 1) {
           const Floats masked = sums + load_floats(m);
           __builtin_memcpy(out + r * stride + j0, &masked, sizeof(masked));
@@ -393,21 +416,17 @@ struct Bf16Rows {
       }
     }
     for (int64_t j = j0; j < length; ++j)  // the last few keys one at a time
-      for (int64_t r = 0; r < rows; ++r) {
-        __m512 sum = _mm512_setzero_ps();
-#pragma GCC unroll 4
-        for (int v = 0; v < kVectors; ++v)
-          sum = _mm512_dpbf16_ps(sum, load(keys + j * kD + v * 32), load(q_bf16 + r * kD + v * 32));
-        out[r * stride + j] = _mm512_reduce_add_ps(sum) + to_float(mask[r * mask_strides[2] + j * mask_strides[3]]);
-      }
+      for (int64_t r = 0; r < rows; ++r)
+        out[r * stride + j] = lane_sum(dot(keys + j * kD, query + r * kD)) +
+                              to_float(mask[r * mask_strides[2] + j * mask_strides[3]]);
   }
 
   // out[r] += sum_j weights[r * stride + j] * values[j] for kRows rows, 4 vectors of 16 float32 sums per row and
-  // pass, each value row widened once for all kRows rows.
+  // pass, each value row loaded (bfloat16: widened) once for all kRows rows.
   template <int kRows>
-  OPTIMUM_NEURONX_ATTENTION_BF16_TARGET static void add_values(float* __restrict out, const uint16_t* __restrict values,
-                                                               int64_t length, const float* __restrict weights,
-                                                               int64_t stride) {
+  OPTIMUM_NEURONX_DENSE_ROWS_TARGET static void add_values(float* __restrict out, const Element* __restrict values,
+                                                           int64_t length, const float* __restrict weights,
+                                                           int64_t stride) {
     constexpr int kPass = 4;
     for (int i0 = 0; i0 < kD; i0 += kPass * kLanes) {
       Floats acc[kRows][kPass];
@@ -435,7 +454,7 @@ struct Bf16Rows {
     }
   }
 
-  static void values_of(const float* weights, int64_t rows, const uint16_t* values, int64_t length, int64_t stride,
+  static void values_of(const float* weights, int64_t rows, const Element* values, int64_t length, int64_t stride,
                         float* out) {
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       float* o = out + r0 * kD;
@@ -450,24 +469,28 @@ struct Bf16Rows {
   }
 };
 
+#if OPTIMUM_NEURONX_DOT_BF16_NATIVE
 // `count` float32 query elements rounded to bfloat16 (to nearest even, as round_to_bf16).
-OPTIMUM_NEURONX_ATTENTION_BF16_TARGET inline void round_queries(uint16_t* __restrict out, const float* __restrict in,
-                                                                int64_t count) {
+OPTIMUM_NEURONX_DENSE_ROWS_TARGET inline void round_queries(uint16_t* __restrict out, const float* __restrict in,
+                                                            int64_t count) {
   int64_t i = 0;
   for (; i + 32 <= count; i += 32)
     _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + i + 16), _mm512_loadu_ps(in + i)));
   for (; i < count; ++i) out[i] = round_to_bf16(in[i]);
 }
+#endif
 
-// Whether Bf16Rows<d> takes a part of `length` rows with these strides: rows back to back (one row: any spacing).
-// The query rows are then rounded for both parts (attend), so the other loops see the same query.
-inline bool bf16_rows(int64_t d, const int64_t* strides, int64_t length) {
+// Whether DenseRows<Element, d> takes a part of `length` rows with these strides: bfloat16 only with avx512_bf16,
+// rows of 64 or 128 back to back (one row: any spacing).
+template <typename Element>
+inline bool dense_rows(int64_t d, const int64_t* strides, int64_t length) {
+  if (sizeof(Element) == sizeof(uint16_t) && !OPTIMUM_NEURONX_DOT_BF16_NATIVE) return false;
   return (d == 64 || d == 128) && strides[3] == 1 && (strides[2] == d || length <= 1);
 }
-#undef OPTIMUM_NEURONX_ATTENTION_BF16_TARGET
-#define OPTIMUM_NEURONX_ATTENTION_BF16_ROWS 1
+#undef OPTIMUM_NEURONX_DENSE_ROWS_TARGET
+#define OPTIMUM_NEURONX_ATTENTION_DENSE_ROWS 1
 #else
-#define OPTIMUM_NEURONX_ATTENTION_BF16_ROWS 0
+#define OPTIMUM_NEURONX_ATTENTION_DENSE_ROWS 0
 #endif
 
 // An additive mask at or below this hides its key: the decoder's masks are 0 or the dtype's lowest (-3.4e38).
@@ -522,7 +545,7 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
   float* totals = sums + rows * d;            // [rows], the sums of the weights
   float* zeros = totals + rows;               // [d]
   float* scratch = zeros + d;                 // [kLanes, d], a block of key or value rows as float32
-  uint16_t* q_bf16 = reinterpret_cast<uint16_t*>(scratch + kLanes * d);  // [rows, d], for Bf16Rows
+  uint16_t* q_bf16 = reinterpret_cast<uint16_t*>(scratch + kLanes * d);  // [rows, d], for DenseRows
   for (int64_t r = 0; r < rows; ++r)
     row_to_floats(query + r * d, q + b * q_strides[0] + h * q_strides[1] + r * q_strides[2], d, q_strides[3]);
   __builtin_memset(zeros, 0, d * sizeof(float));
@@ -530,24 +553,27 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
   for (int i = 0; i < 4; ++i)
     own[i] = kv[i] + b * kv_strides[i][0] + h * kv_strides[i][1] + (i < 2 ? first * kv_strides[i][2] : 0);
   const int64_t offsets[2] = {0, lengths[0]};  // each part's first column of `scores`
-#if OPTIMUM_NEURONX_ATTENTION_BF16_ROWS
-  // Bfloat16 rows of 64 or 128: the query rows rounded to bfloat16 for both parts, whichever loops take them.
-  const bool bf16_query = sizeof(Element) == sizeof(uint16_t) && (d == 64 || d == 128);
-  if (bf16_query) {
+#if OPTIMUM_NEURONX_ATTENTION_DENSE_ROWS
+  // Rows of 64 or 128 (DenseRows): the query as DenseRows reads it, bfloat16 ones rounded for both parts,
+  // whichever loops take them.
+  const bool dense = d == 64 || d == 128;
+  const Element* dense_query = reinterpret_cast<const Element*>(query);
+#if OPTIMUM_NEURONX_DOT_BF16_NATIVE
+  if (sizeof(Element) == sizeof(uint16_t) && dense) {
     round_queries(q_bf16, query, rows * d);
     for (int64_t i = 0; i < rows * d; ++i) query[i] = to_float(q_bf16[i]);
+    dense_query = reinterpret_cast<const Element*>(q_bf16);
   }
+#endif
 #endif
   for (int p = 0; p < 2; ++p) {
     const int64_t* ms = mask_strides[p];
     const Element* mask = masks[p] + b * ms[0] + (p == 0 ? first * ms[3] : 0);
-#if OPTIMUM_NEURONX_ATTENTION_BF16_ROWS
-    if constexpr (sizeof(Element) == sizeof(uint16_t)) {
-      if (bf16_query && bf16_rows(d, kv_strides[2 * p], lengths[p])) {
-        (d == 64 ? Bf16Rows<64>::scores : Bf16Rows<128>::scores)(q_bf16, rows, own[2 * p], mask, ms, lengths[p],
-                                                                 scores + offsets[p], length, own[2 * p + 1]);
-        continue;
-      }
+#if OPTIMUM_NEURONX_ATTENTION_DENSE_ROWS
+    if (dense && dense_rows<Element>(d, kv_strides[2 * p], lengths[p])) {
+      (d == 64 ? DenseRows<Element, 64>::scores : DenseRows<Element, 128>::scores)(
+          dense_query, rows, own[2 * p], mask, ms, lengths[p], scores + offsets[p], length, own[2 * p + 1]);
+      continue;
     }
 #endif
     part_scores(query, rows, d, own[2 * p], kv_strides[2 * p], mask, ms, lengths[p],
@@ -556,13 +582,11 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
   softmax_weights(scores, rows, length, length, totals);
   __builtin_memset(sums, 0, rows * d * sizeof(float));
   for (int p = 0; p < 2; ++p) {
-#if OPTIMUM_NEURONX_ATTENTION_BF16_ROWS
-    if constexpr (sizeof(Element) == sizeof(uint16_t)) {
-      if (bf16_query && bf16_rows(d, kv_strides[2 * p + 1], lengths[p])) {
-        (d == 64 ? Bf16Rows<64>::values_of : Bf16Rows<128>::values_of)(scores + offsets[p], rows, own[2 * p + 1],
-                                                                        lengths[p], length, sums);
-        continue;
-      }
+#if OPTIMUM_NEURONX_ATTENTION_DENSE_ROWS
+    if (dense && dense_rows<Element>(d, kv_strides[2 * p + 1], lengths[p])) {
+      (d == 64 ? DenseRows<Element, 64>::values_of : DenseRows<Element, 128>::values_of)(
+          scores + offsets[p], rows, own[2 * p + 1], lengths[p], length, sums);
+      continue;
     }
 #endif
     part_values(scores + offsets[p], rows, d, own[2 * p + 1], kv_strides[2 * p + 1], lengths[p], length, sums,
@@ -608,7 +632,7 @@ bool decode_attention(const float* q, const int64_t* q_strides, void* const (&kv
 }  // namespace optimum_neuronx_kernels
 
 #undef OPTIMUM_NEURONX_ATTENTION_TARGET
-#undef OPTIMUM_NEURONX_ATTENTION_BF16_ROWS
+#undef OPTIMUM_NEURONX_ATTENTION_DENSE_ROWS
 #undef OPTIMUM_NEURONX_FMA
 #undef OPTIMUM_NEURONX_WIDEN
 
