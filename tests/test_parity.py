@@ -126,8 +126,8 @@ def test_bf16_batch_1_with_wide_rows_through_the_multiply_and_sum(tiny_checkpoin
 
 def test_bf16_logits_within_tolerance_with_heads_of_64(tmp_path, left_padded_batch):
     # Heads of 64 (SmolLM2's, the 1.1B shape's): with avx512_bf16 decode attention reads the bfloat16 cache with
-    # vdpbf16ps against the query rounded to bfloat16 (decode_attention.cpp, Bf16Rows); the tiny llama's heads of
-    # 16 take the float32 loops. 3 query heads per KV head, as SmolLM2.
+    # vdpbf16ps against the query rounded to bfloat16 (decode_attention.cpp, DenseRows); the tiny llama's heads of
+    # 16 take the loops that widen each block of rows. 3 query heads per KV head, as SmolLM2.
     from transformers import AutoModelForCausalLM
 
     checkpoint = build_tiny_checkpoint("llama", tmp_path / "heads-of-64", hidden_size=96, head_dim=64,

@@ -554,10 +554,9 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
 #if OPTIMUM_NEURONX_ATTENTION_DENSE_ROWS
   // Rows of 64 or 128 (DenseRows): the query as DenseRows reads it, bfloat16 ones rounded for both parts,
   // whichever loops take them.
-  const bool dense = d == 64 || d == 128;
   const Element* dense_query = reinterpret_cast<const Element*>(query);
 #if OPTIMUM_NEURONX_DOT_BF16_NATIVE
-  if (sizeof(Element) == sizeof(uint16_t) && dense) {
+  if (sizeof(Element) == sizeof(uint16_t) && (d == 64 || d == 128)) {
     round_queries(q_bf16, query, rows * d);
     for (int64_t i = 0; i < rows * d; ++i) query[i] = to_float(q_bf16[i]);
     dense_query = reinterpret_cast<const Element*>(q_bf16);
@@ -568,7 +567,7 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
     const int64_t* ms = mask_strides[p];
     const Element* mask = masks[p] + b * ms[0] + (p == 0 ? first * ms[3] : 0);
 #if OPTIMUM_NEURONX_ATTENTION_DENSE_ROWS
-    if (dense && dense_rows<Element>(d, kv_strides[2 * p], lengths[p])) {
+    if (dense_rows<Element>(d, kv_strides[2 * p], lengths[p])) {
       (d == 64 ? DenseRows<Element, 64>::scores : DenseRows<Element, 128>::scores)(
           dense_query, rows, own[2 * p], mask, ms, lengths[p], scores + offsets[p], length, own[2 * p + 1]);
       continue;
@@ -581,7 +580,7 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void attend(const float* q, const int64_t* q_st
   __builtin_memset(sums, 0, rows * d * sizeof(float));
   for (int p = 0; p < 2; ++p) {
 #if OPTIMUM_NEURONX_ATTENTION_DENSE_ROWS
-    if (dense && dense_rows<Element>(d, kv_strides[2 * p + 1], lengths[p])) {
+    if (dense_rows<Element>(d, kv_strides[2 * p + 1], lengths[p])) {
       (d == 64 ? DenseRows<Element, 64>::values_of : DenseRows<Element, 128>::values_of)(
           scores + offsets[p], rows, own[2 * p + 1], lengths[p], length, sums);
       continue;
