@@ -354,13 +354,13 @@ struct DenseRows {
   static constexpr int kVectors = kD / kPerVector;
   static constexpr int64_t kAhead = 2 * kLanes;  // rows prefetched ahead
 
-  // Rows [from, to) of `part` (clipped to `length`) into L1 (kLocality 3) or L2 (1).
+  // Rows [from, to) of `part` (clipped to `length`) into L1 (kLocality 3) or L2 (1): prefetch_rows over rows back
+  // to back.
   template <int kLocality>
   OPTIMUM_NEURONX_DENSE_ROWS_TARGET __attribute__((always_inline)) static inline void prefetch(
       const Element* part, int64_t from, int64_t to, int64_t length) {
-    const int64_t end = to < length ? to : length;
-    for (int64_t at = from * kD * int64_t(sizeof(Element)); at < end * kD * int64_t(sizeof(Element)); at += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(part) + at, 0, kLocality);
+    static constexpr int64_t kBackToBack[4] = {0, 0, kD, 1};
+    prefetch_rows<kLocality>(part, kBackToBack, from, to, length, kD);
   }
 
 #if OPTIMUM_NEURONX_DOT_BF16_NATIVE
