@@ -618,32 +618,6 @@ struct alignas(64) NextRow {  // a line of its own: its owner's claims stay in i
   int64_t row;  // claimed with __atomic_fetch_add
 };
 
-template <typename Lines, int R>
-void dot_rows_parallel(const typename Lines::Element* weight, const typename Lines::XElement* x, int64_t k,
-                       int64_t k_padded, int64_t n_out, int64_t piece, float* partial, typename Lines::Element* y) {
-  const int max_threads = omp_get_max_threads();
-  const int shares = max_threads < kMaxShares ? max_threads : kMaxShares;
-  NextRow next[kMaxShares];
-  for (int s = 0; s < shares; ++s) next[s].row = n_out * s / shares;  // the fork publishes them to the team
-  // Rows per chunk: whole blocks, at least one (a remainder only where a share ends)
-  const int64_t block = weight_rows_per_block<Lines, R>(k_padded, piece >= k);
-  const int64_t row_bytes = k * int64_t(sizeof(typename Lines::Element));
-  const int64_t fitting = kChunkBytes / row_bytes / block * block;  // the whole blocks that fit in kChunkBytes
-  const int64_t chunk = fitting > block ? fitting : block;
-#pragma omp parallel
-  {
-    // Every share is visited by every thread, so a team smaller than planned (a nested call) still does all rows.
-    const int thread = omp_get_thread_num();
-    for (int i = 0; i < shares; ++i) {
-      const int share = (thread + i) % shares;
-      const int64_t end = n_out * (share + 1) / shares;
-      for (int64_t begin; (begin = __atomic_fetch_add(&next[share].row, chunk, __ATOMIC_RELAXED)) < end;)
-        dot_rows<Lines, R>(weight, x, k, k_padded, n_out, begin, begin + chunk < end ? begin + chunk : end, piece,
-                           partial, y);
-    }
-  }
-}
-
 // A 64-byte aligned buffer of at least `count` elements, one per calling thread and tag, grown as needed and kept.
 template <typename Element, int kTag>
 Element* kept_buffer(int64_t count) {
@@ -704,6 +678,42 @@ const typename Lines::XElement* aligned_rows(const typename Lines::Element* x, i
   return buffer;
 }
 
+// Each thread copies x (aligned_rows) into a buffer of its own inside the parallel region: x was just written by
+// the step's previous kernels, partly on the other core, and one thread's copy read by all sent every line across
+// once more, after a copy the other thread waited for (with the CPUs apart, ~0.3 ms of a SmolLM2 bfloat16 batch-4
+// step in the main thread's memmove).
+template <typename Lines, int R>
+bool dot_rows_parallel(const typename Lines::Element* weight, const typename Lines::Element* x_data,
+                       const int64_t* x_strides, int64_t k, int64_t k_padded, int64_t n_out, int64_t piece,
+                       float* partial, typename Lines::Element* y) {
+  bool failed = false;
+  const int max_threads = omp_get_max_threads();
+  const int shares = max_threads < kMaxShares ? max_threads : kMaxShares;
+  NextRow next[kMaxShares];
+  for (int s = 0; s < shares; ++s) next[s].row = n_out * s / shares;  // the fork publishes them to the team
+  // Rows per chunk: whole blocks, at least one (a remainder only where a share ends)
+  const int64_t block = weight_rows_per_block<Lines, R>(k_padded, piece >= k);
+  const int64_t row_bytes = k * int64_t(sizeof(typename Lines::Element));
+  const int64_t fitting = kChunkBytes / row_bytes / block * block;  // the whole blocks that fit in kChunkBytes
+  const int64_t chunk = fitting > block ? fitting : block;
+#pragma omp parallel
+  {
+    const typename Lines::XElement* x =
+        aligned_rows<Lines>(x_data, R, k, x_strides[0], x_strides[1], k_padded, piece);
+    if (!x) __atomic_store_n(&failed, true, __ATOMIC_RELAXED);
+    // Every share is visited by every thread, so a team smaller than planned (a nested call) still does all rows.
+    const int thread = omp_get_thread_num();
+    for (int i = 0; x && i < shares; ++i) {
+      const int share = (thread + i) % shares;
+      const int64_t end = n_out * (share + 1) / shares;
+      for (int64_t begin; (begin = __atomic_fetch_add(&next[share].row, chunk, __ATOMIC_RELAXED)) < end;)
+        dot_rows<Lines, R>(weight, x, k, k_padded, n_out, begin, begin + chunk < end ? begin + chunk : end, piece,
+                           partial, y);
+    }
+  }
+  return !failed;
+}
+
 // y = x @ weight.T for any number of rows, in chunks of kMaxRows.
 template <typename Lines>
 bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_data, int64_t rows, int64_t k,
@@ -714,17 +724,18 @@ bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_dat
     const int64_t count = rows - first < kMaxRows ? rows - first : kMaxRows;
     const int64_t k_padded = padded_columns<Lines>(count, k);
     const int64_t piece = piece_columns<Lines>(count, k);
-    const typename Lines::XElement* xs = aligned_rows<Lines>(static_cast<const Element*>(x_data) + first * x_strides[0],
-                                                             count, k, x_strides[0], x_strides[1], k_padded, piece);
+    const Element* x = static_cast<const Element*>(x_data) + first * x_strides[0];
     float* partial = piece < k ? kept_buffer<float, 1>(count * n_out) : nullptr;
-    if (!xs || (piece < k && !partial)) return false;
+    if (piece < k && !partial) return false;
     Element* y = static_cast<Element*>(y_data) + first * n_out;
+    bool done;
     switch (count) {
-      case 1: dot_rows_parallel<Lines, 1>(w, xs, k, k_padded, n_out, piece, partial, y); break;
-      case 2: dot_rows_parallel<Lines, 2>(w, xs, k, k_padded, n_out, piece, partial, y); break;
-      case 3: dot_rows_parallel<Lines, 3>(w, xs, k, k_padded, n_out, piece, partial, y); break;
-      default: dot_rows_parallel<Lines, 4>(w, xs, k, k_padded, n_out, piece, partial, y); break;
+      case 1: done = dot_rows_parallel<Lines, 1>(w, x, x_strides, k, k_padded, n_out, piece, partial, y); break;
+      case 2: done = dot_rows_parallel<Lines, 2>(w, x, x_strides, k, k_padded, n_out, piece, partial, y); break;
+      case 3: done = dot_rows_parallel<Lines, 3>(w, x, x_strides, k, k_padded, n_out, piece, partial, y); break;
+      default: done = dot_rows_parallel<Lines, 4>(w, x, x_strides, k, k_padded, n_out, piece, partial, y); break;
     }
+    if (!done) return false;
   }
   return true;
 }
