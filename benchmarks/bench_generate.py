@@ -10,8 +10,8 @@ the batch sizes of one system take turns, one phase at a time, so their decode r
 ratio between them compares the same minutes. Time to first token
 (generate with max_new_tokens=1) for each --prompt-tokens length (random token prompts) at the smallest
 batch size; per batch size, decode tokens/s on the shortest prompt ((N - 1) new tokens per row over the
-time a generation of N takes beyond the first token, all rows counted), median of --repeats runs after a
-warm-up. Our model is exported once per batch size (static shapes); compile time per graph, reload time,
+time from the first new token to the last within the same generation of N, taken by a streamer, all rows
+counted), median of --repeats runs after a warm-up. Our model is exported once per batch size (static shapes); compile time per graph, reload time,
 and greedy tokens checked against eager for each export. Roofline: a BLAS matrix-vector product, a plain
 copy and a multiply + sum compiled like our decode projections, over a 1 GiB matrix of the job's dtype, give
 the bandwidth decode can use; the parent process samples them before and after every timed decode repeat (the
@@ -102,17 +102,45 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+class TokenClock:
+    """A `generate` streamer (Transformers' `BaseStreamer` interface) that only notes when each put arrives: the
+    prompt first, then each new token as generate picks it."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def _timed(model, inputs, new_tokens: int, **extra) -> float:
-    """Seconds for a generation of exactly `new_tokens` per row. eos_token_id=None instead of min_new_tokens:
-    the min-length logits processor runs `isin` over the whole vocabulary every step (~0.9 ms at SmolLM2's 49k
-    tokens, every system alike), a cost a user's generate does not pay."""
+    """Seconds for a generation of exactly `new_tokens` per row."""
+    return _generation_times(model, inputs, new_tokens, **extra)[0]
+
+
+def _generation_times(model, inputs, new_tokens: int, **extra) -> tuple[float, float | None]:
+    """A generation of exactly `new_tokens` per row: its seconds, and the seconds from its first new token to its
+    last (None for one token), which is what decode rates are taken from. Subtracting a time to first token
+    measured in other minutes instead let the prefill's own drift into them: on the Zen 4 host, SmolLM2's bf16
+    batch-4 prefill took 378-392 ms a run with the CPUs apart against a time to first token of 336 ms taken near,
+    and the decode steps read 8.80-9.03 ms instead of their 8.06-8.34 (docs/performance.md).
+    eos_token_id=None instead of min_new_tokens: the min-length logits processor runs `isin` over the whole
+    vocabulary every step (~0.9 ms at SmolLM2's 49k tokens, every system alike), a cost a user's generate does not
+    pay."""
     prompt_tokens = inputs["input_ids"].shape[1]
+    clock = TokenClock()
     start = time.perf_counter()
-    output = model.generate(**inputs, max_new_tokens=new_tokens, eos_token_id=None, do_sample=False, **extra)
+    output = model.generate(**inputs, max_new_tokens=new_tokens, eos_token_id=None, do_sample=False,
+                            streamer=clock, **extra)
     seconds = time.perf_counter() - start
     if output.shape[1] != prompt_tokens + new_tokens:
         raise RuntimeError(f"generated {output.shape[1] - prompt_tokens} tokens per row, asked for {new_tokens}")
-    return seconds
+    if len(clock.times) != new_tokens + 1:  # the prompt, then one put per new token
+        raise RuntimeError(f"generate streamed {len(clock.times)} times for {new_tokens} new tokens")
+    return seconds, (clock.times[-1] - clock.times[1] if new_tokens > 1 else None)
 
 
 def request_probe() -> None:
@@ -154,10 +182,11 @@ def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: No
         if repeat == 0:
             probe()
         before = round_trip()
-        seconds = _timed(model, shortest, new_tokens, **extra)
-        timed_repeats.append({"seconds": seconds, "core_round_trip_ns": [before, round_trip()]})
+        seconds, decode_seconds = _generation_times(model, shortest, new_tokens, **extra)
+        timed_repeats.append({"seconds": seconds, "decode_seconds": decode_seconds,
+                              "core_round_trip_ns": [before, round_trip()]})
         probe()
-    totals = [timed["seconds"] for timed in timed_repeats]
+    decode_times = [timed["decode_seconds"] for timed in timed_repeats]
     for length in lengths[1:]:
         ttft[length] = time_to_first_token(inputs[length])
     if torch._dynamo.utils.counters["stats"]["unique_graphs"] != compiled_graphs:
@@ -166,11 +195,12 @@ def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: No
     rows = shortest["input_ids"].shape[0]
 
     def decode_tok_s(seconds: float) -> float:
-        return rows * (new_tokens - 1) / (seconds - ttft[lengths[0]])
+        return rows * (new_tokens - 1) / seconds
 
     for timed in timed_repeats:
-        timed["decode_tok_s"] = decode_tok_s(timed["seconds"])
-    return {"ttft_s": ttft, "decode_tok_s": decode_tok_s(statistics.median(totals)), "decode_repeats": timed_repeats}
+        timed["decode_tok_s"] = decode_tok_s(timed["decode_seconds"])
+    return {"ttft_s": ttft, "decode_tok_s": decode_tok_s(statistics.median(decode_times)),
+            "decode_repeats": timed_repeats}
 
 
 def export_for_batch(job: dict, batch_size: int, prompts: list[int]) -> Path:
@@ -516,6 +546,9 @@ def main():
     if args.job:
         print(json.dumps(run_system(json.loads(args.job))))
         return
+    if args.new_tokens < 2:
+        parser.error(f"--new-tokens {args.new_tokens}: decode is timed from the first new token to the last, so it "
+                     "needs at least 2 (default 64)")
     if args.quick:
         args.models, args.dtypes, args.batch_sizes, args.prompt_tokens = ["smollm2"], ["fp32"], [1], [128]
     logging.basicConfig(level=logging.INFO, format="%(message)s")

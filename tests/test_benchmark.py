@@ -64,6 +64,7 @@ def test_batch_sizes_take_turns_and_bandwidth_is_sampled_around_every_timed_deco
         assert len(numbers["decode_repeats"]) == 2
         for timed in numbers["decode_repeats"]:
             assert timed["seconds"] > 0 and timed["decode_tok_s"] > 0 and len(timed["core_round_trip_ns"]) == 2
+            assert 0 < timed["decode_seconds"] < timed["seconds"]
             assert all(ns > 0 if two_cpus() else ns is None for ns in timed["core_round_trip_ns"])
         bandwidth = numbers["bandwidth"]
         assert bandwidth["samples"] == [samples[i] for i in taken]
@@ -81,10 +82,17 @@ def test_longer_prompts_time_to_first_token_comes_after_the_decode_repeats(bench
     repeats would change the cache (and the compiled graph) they run with."""
     calls = []
 
-    class Recorder:
-        def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
+    class Recorder:  # streams like generate: the prompt, then each new token
+        def generate(self, input_ids, attention_mask, max_new_tokens, streamer, **kwargs):
             calls.append((input_ids.shape[1], max_new_tokens))
-            time.sleep(0.002 * max_new_tokens)
+            streamer.put(input_ids)
+            # a prefill slower in the decode runs than in the time-to-first-token runs, as when the host's
+            # phase changes between them
+            time.sleep(0.001 if max_new_tokens == 1 else 0.05)
+            for _ in range(max_new_tokens):
+                streamer.put(torch.zeros(input_ids.shape[0], dtype=torch.long))
+                time.sleep(0.002)
+            streamer.end()
             return torch.zeros(input_ids.shape[0], input_ids.shape[1] + max_new_tokens, dtype=torch.long)
 
     inputs = {n: {"input_ids": torch.ones(1, n, dtype=torch.long), "attention_mask": torch.ones(1, n)}
@@ -93,12 +101,21 @@ def test_longer_prompts_time_to_first_token_comes_after_the_decode_repeats(bench
     warm_up, short_ttft, decode, long_ttft = [(8, 4)], [(8, 1)] * 3, [(8, 4)] * 2, [(16, 1)] * 3
     assert calls == warm_up + short_ttft + decode + long_ttft
     assert set(result["ttft_s"]) == {8, 16} and result["decode_tok_s"] > 0
-    # each repeat's own rate: 3 tokens after the first over its time beyond the first token; the row's from the
-    # median time
-    seconds = [timed["seconds"] for timed in result["decode_repeats"]]
+    # each repeat's own rate: the 3 tokens after the first over the time from its first token to its last, in that
+    # same run (~6 ms of sleeps), not the run's time beyond a time to first token taken in other runs (~56 ms here);
+    # the row's from the median of those times
+    decode_seconds = [timed["decode_seconds"] for timed in result["decode_repeats"]]
     for timed in result["decode_repeats"]:
-        assert timed["decode_tok_s"] == pytest.approx(3 / (timed["seconds"] - result["ttft_s"][8]))
-    assert result["decode_tok_s"] == pytest.approx(3 / (statistics.median(seconds) - result["ttft_s"][8]))
+        assert timed["decode_tok_s"] == pytest.approx(3 / timed["decode_seconds"])
+        assert 0.004 < timed["decode_seconds"] < 0.03 < timed["seconds"] - result["ttft_s"][8]
+    assert result["decode_tok_s"] == pytest.approx(3 / statistics.median(decode_seconds))
+
+
+def test_decode_needs_two_new_tokens(bench, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_generate.py", "--new-tokens", "1"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--new-tokens 1" in capsys.readouterr().err
 
 
 def test_static_cache_baseline_is_generate_compiling_its_decode_step_on_cpu(bench, reference_model):
