@@ -11,8 +11,8 @@ ratio between them compares the same minutes. Time to first token
 (generate with max_new_tokens=1) for each --prompt-tokens length (random token prompts) at the smallest
 batch size; per batch size, decode tokens/s on the shortest prompt ((N - 1) new tokens per row over the
 time from the first new token to the last within the same generation of N, taken by a streamer, all rows
-counted), median of --repeats runs after a warm-up. Our model is exported once per batch size (static shapes); compile time per graph, reload time,
-and greedy tokens checked against eager for each export. Roofline: a BLAS matrix-vector product, a plain
+counted), median of --repeats runs after a warm-up. Our model is exported once per batch size (static
+shapes); compile time per graph, reload time, and greedy tokens checked against eager for each export. Roofline: a BLAS matrix-vector product, a plain
 copy and a multiply + sum compiled like our decode projections, over a 1 GiB matrix of the job's dtype, give
 the bandwidth decode can use; the parent process samples them before and after every timed decode repeat (the
 job waits meanwhile), so a bound and the rate it bounds come from the same minutes. Bound = the median over
@@ -126,7 +126,7 @@ def _generation_times(model, inputs, new_tokens: int, **extra) -> tuple[float, f
     last (None for one token), which is what decode rates are taken from. Subtracting a time to first token
     measured in other minutes instead let the prefill's own drift into them: on the Zen 4 host, SmolLM2's bf16
     batch-4 prefill took 378-392 ms a run with the CPUs apart against a time to first token of 336 ms taken near,
-    and the decode steps read 8.80-9.03 ms instead of their 8.06-8.34 (docs/performance.md).
+    and the decode steps read 8.80-9.18 ms instead of their 8.05-8.34 (docs/performance.md).
     eos_token_id=None instead of min_new_tokens: the min-length logits processor runs `isin` over the whole
     vocabulary every step (~0.9 ms at SmolLM2's 49k tokens, every system alike), a cost a user's generate does not
     pay."""
