@@ -208,11 +208,6 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void part_scores(const float* __restrict q, int
   }
 }
 
-// out[r * d + i0 + e] += sum_j weights[r * stride + j] * value[j][i0 + e] (e < kVectors * kLanes, r < kRows,
-// j < count): the sums held in registers across the block's rows. Each line of a value row is loaded once for the
-// kRows rows, whose sums are independent chains of multiply-adds. One row at a time left each vector of sums a
-// chain of `count` dependent multiply-adds: SmolLM2's 3 rows took 1.4-1.6x the time (C harness, Zen 5), its
-// batch-4 token graphs 1.08x (bfloat16) and 1.05x (float32).
 // acc[r][v] += weights[r * stride] * row[v * kLanes ...] for kRows rows: the row's kVectors vectors loaded (bfloat16:
 // widened) once for all of them.
 template <int kRows, int kVectors, typename Element>
@@ -229,6 +224,11 @@ OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline void add_
   }
 }
 
+// out[r * d + i0 + e] += sum_j weights[r * stride + j] * value[j][i0 + e] (e < kVectors * kLanes, r < kRows,
+// j < count): the sums held in registers across the block's rows. Each line of a value row is loaded once for the
+// kRows rows, whose sums are independent chains of multiply-adds. One row at a time left each vector of sums a
+// chain of `count` dependent multiply-adds: SmolLM2's 3 rows took 1.4-1.6x the time (C harness, Zen 5), its
+// batch-4 token graphs 1.08x (bfloat16) and 1.05x (float32).
 template <int kRows, int kVectors>
 OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline void add_weighted(
     float* __restrict out, int64_t d, const float* const (&value)[kLanes], const float* __restrict weights,
