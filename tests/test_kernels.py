@@ -65,7 +65,10 @@ CHUNK_BYTES = 1
 # The AVX-512 float32 kernel as some CPUs are tuned to run it (inductor_kernels.FLOAT32_ROWS_PIECE_BYTES): several
 # rows of x one weight row at a time, in pieces of at most this many bytes (all rows), which cuts every several-row
 # shape above past 2 KiB (2 x 576 into 3 pieces, 4 x 3300 into 26); the other variants keep its blocks whatever
-# this CPU's tuning says, so both paths run on every AVX-512 host.
+# this CPU's tuning says, so both paths run on every AVX-512 host. The avx512_bf16 kernel likewise
+# (BFLOAT16_ROWS_PIECE_BYTES: 2 x 576 into 2 pieces, 4 x 3300 into 13), including the rows past its 24 KiB of
+# short rows, which it otherwise takes in blocks; its pieced chunks are the larger ones (kPiecedChunkBytes) where
+# CHUNK_BYTES does not cut them to one block.
 ROWS_PIECES = 2048
 # The AVX-512 kernels keep one row of x with its lines out of order on some CPUs (inductor_kernels.ROW_SWIZZLED_X):
 # the avx512_bf16 variants here do, pieces included (one row of 2100 in 2 pieces; one row of 48, 300 and 2100 end in a
@@ -79,6 +82,7 @@ ROW_BLOCK_BYTES = 1024
 VARIANTS = [(isa, dtype, pieces, 0, int(isa == "avx512_bf16"), 0) for pieces in (-1, PIECES) for isa in DOT_ISA
             for dtype in DOT_ISA[isa]]
 VARIANTS += [("avx512", torch.float32, pieces, ROWS_PIECES, 1, ROW_BLOCK_BYTES) for pieces in (-1, PIECES)]
+VARIANTS += [("avx512_bf16", torch.bfloat16, pieces, ROWS_PIECES, 1, 0) for pieces in (-1, PIECES)]
 VARIANTS += [("avx512_bf16", torch.bfloat16, -1, 0, 0, 0)]
 
 
@@ -99,7 +103,8 @@ def kernel_package(request, tmp_path_factory):
     program = torch.export.export(module, args, strict=False)
     small = pieces > 0  # pieces of x and chunks of one block of weight rows
     tuning = {**inductor_kernels.kernel_tuning(), "float32_rows_piece_bytes": rows_pieces,
-              "float32_row_block_bytes": row_blocks, "row_swizzled_x": swizzled}
+              "bfloat16_rows_piece_bytes": rows_pieces, "float32_row_block_bytes": row_blocks,
+              "row_swizzled_x": swizzled}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(inductor_kernels, "kernel_tuning", lambda: tuning)
         options = inductor_kernels.c_shim_options(4, isa, piece_bytes=pieces, chunk_bytes=CHUNK_BYTES if small else 0)
@@ -292,15 +297,16 @@ def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa
 
 
 @pytest.mark.parametrize(
-    "cpuinfo, identity, one_row, several_rows, float32_pieces, float32_row_blocks, row_prefetch, swizzled_x", [
+    "cpuinfo, identity, one_row, several_rows, float32_pieces, bfloat16_pieces, float32_row_blocks, row_prefetch, "
+    "swizzled_x", [
         ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n",
-         ("AuthenticAMD", 26), 0, 0, 0, 0, 1, 0),
-        ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1, 16384, 16384, 0, 1),
-        ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1, 0, 0, 1, 0),
-        ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1, 0, 0, 1, 0),  # no x86 fields (e.g. aarch64)
+         ("AuthenticAMD", 26), 0, 0, 0, 0, 0, 1, 0),
+        ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1, 16384, 24576, 16384, 0, 1),
+        ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1, 0, 0, 0, 1, 0),
+        ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1, 0, 0, 0, 1, 0),  # no x86 fields (e.g. aarch64)
     ])
-def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows, float32_pieces, float32_row_blocks,
-                                       row_prefetch, swizzled_x, tmp_path, monkeypatch):
+def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows, float32_pieces, bfloat16_pieces,
+                                       float32_row_blocks, row_prefetch, swizzled_x, tmp_path, monkeypatch):
     from optimum_neuronx.backends import inductor_codegen, inductor_kernels
 
     path = tmp_path / "cpuinfo"
@@ -308,7 +314,8 @@ def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows,
     assert inductor_kernels.cpu_identity(str(path)) == identity
     monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
     tuning = {"row_prefetch_locality": one_row, "rows_prefetch_locality": several_rows,
-              "float32_rows_piece_bytes": float32_pieces, "float32_row_block_bytes": float32_row_blocks,
+              "float32_rows_piece_bytes": float32_pieces, "bfloat16_rows_piece_bytes": bfloat16_pieces,
+              "float32_row_block_bytes": float32_row_blocks,
               "row_prefetch": row_prefetch, "row_swizzled_x": swizzled_x}
     assert inductor_kernels.kernel_tuning() == tuning
     # the kernel is compiled with them, Inductor's row reductions prefetch with the one-row hint, and exports
@@ -318,6 +325,7 @@ def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows,
     assert f"#define OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY {one_row}\n" in source
     assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {several_rows}\n" in source
     assert f"#define OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES {float32_pieces}\n" in source
+    assert f"#define OPTIMUM_NEURONX_BFLOAT16_ROWS_PIECE_BYTES {bfloat16_pieces}\n" in source
     assert f"#define OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES {float32_row_blocks}\n" in source
     assert f"#define OPTIMUM_NEURONX_ROW_PREFETCH {row_prefetch}\n" in source
     assert f"#define OPTIMUM_NEURONX_ROW_SWIZZLED_X {swizzled_x}\n" in source

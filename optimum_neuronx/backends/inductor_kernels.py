@@ -71,6 +71,13 @@ ROWS_PREFETCH_LOCALITY = CpuTuned({("AuthenticAMD", 26): 0}, default=1)
 # KiB (C harness, 2 threads, fast memory phases; 24 KiB 1.05x, 32 KiB 0.7x), SmolLM2's within noise
 # (docs/performance.md, "Float32 at 4 rows on Zen 4").
 FLOAT32_ROWS_PIECE_BYTES = CpuTuned({("AuthenticAMD", 25): 16384}, default=0)
+# The same for bfloat16 through avx512_bf16's dot products, at several rows of x longer than 24 KiB (shorter ones take
+# one weight row at a time, whole, either way). Zen 4: 24576. There the 1.1B shape's down projection at 4 rows (5632
+# inputs, 45 KiB of x, more than L1) streamed at 0.61x a plain read of its weights in blocks in fast memory phases,
+# in 2 pieces of 22 KiB 1.36x faster (pieces of 16 or 20 KiB: less), and the 4-row projections of a whole step
+# 1.12x faster (C harness, 2 threads; slow phases ~1.0x). Zen 5 keeps blocks: there they were 1.04-1.15x faster
+# than pieces of 24 KiB (docs/performance.md).
+BFLOAT16_ROWS_PIECE_BYTES = CpuTuned({("AuthenticAMD", 25): 24576}, default=0)
 # float32 at one row of x on AVX-512, per CPU where measured, else the default: 0, one weight row at a time; > 0, a row
 # of x longer than that many bytes in blocks of 4 weight rows, the next block prefetched with ROWS_PREFETCH_LOCALITY's
 # hint. Zen 4 (AMD family 25): 16384 (half of its L1, as FLOAT32_ROWS_PIECE_BYTES). There the 1.1B shape's down
@@ -99,6 +106,7 @@ ROW_SWIZZLED_X = CpuTuned({("AuthenticAMD", 25): 1}, default=0)
 # kernel_tuning's entries, by the names exports stamp them under (and c_shim_options compiles them in under).
 KERNEL_TUNING = {"row_prefetch_locality": ROW_PREFETCH_LOCALITY, "rows_prefetch_locality": ROWS_PREFETCH_LOCALITY,
                  "float32_rows_piece_bytes": FLOAT32_ROWS_PIECE_BYTES,
+                 "bfloat16_rows_piece_bytes": BFLOAT16_ROWS_PIECE_BYTES,
                  "float32_row_block_bytes": FLOAT32_ROW_BLOCK_BYTES, "row_prefetch": ROW_PREFETCH,
                  "row_swizzled_x": ROW_SWIZZLED_X}
 

@@ -20,7 +20,8 @@
 // the variant takes them whole), OPTIMUM_NEURONX_DOT_CHUNK_BYTES (0: kChunkBytes' default; tests set it to hand out
 // one block at a time), OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the
 // weights' prefetch hint at one and at several rows of x), OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES (AVX-512
-// float32 at several rows: 0, blocks; else pieces, see Float32Lines), OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES
+// float32 at several rows: 0, blocks; else pieces, see Float32Lines), OPTIMUM_NEURONX_BFLOAT16_ROWS_PIECE_BYTES
+// (the same for avx512_bf16's bfloat16 rows past kShortRowsBytes), OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES
 // (AVX-512 float32 at one row: one longer than this many bytes in blocks of weight rows; 0, never),
 // OPTIMUM_NEURONX_ROW_PREFETCH (AVX-512 at one whole row: 0, no prefetch) and OPTIMUM_NEURONX_ROW_SWIZZLED_X
 // (AVX-512 at one row: 1, x's lines out of order, see x_line_slot) are defined in front of this file.
@@ -104,8 +105,11 @@ inline void widen_x_tail(float* dst, const uint16_t* x, int64_t i, int64_t k, in
 // - Long rows: x no longer stays in L1 next to the streaming weights. The 1.1B shape's float32 projections of 2048
 //   inputs (32 KiB at 4 rows) one weight row at a time 1.03x slower than blocks, of 5632 (88 KiB) 1.40x slower;
 //   its bfloat16 down projection (5632, 45 KiB) in blocks 1.15x (slow phase) / 1.04x (fast) faster than in pieces
-//   of 24 KiB, and the batch-4 bfloat16 token graph 1.08x faster. On Zen 4 float32 goes the other way (pieces of
-//   16 KiB, Float32Lines::kRowsPieceBytes): the 1.1B shape's 4-row projections 1.09x faster, its token graph ~1.1x.
+//   of 24 KiB, and the batch-4 bfloat16 token graph 1.08x faster. On Zen 4 both go the other way (kRowsPieceBytes):
+//   float32 in pieces of 16 KiB, the 1.1B shape's 4-row projections 1.09x faster, its token graph ~1.1x; bfloat16
+//   in pieces of 24 KiB (2 for 5632 inputs) and chunks of kPiecedChunkBytes, the down projection 1.36x faster than
+//   in blocks in fast memory phases (48.7 against 35.7 GB/s, 0.83x a plain read against 0.61x; slow phases 1.02x),
+//   the 4-row projections of a whole step 1.12x (pieces of 16 and 20 KiB streamed slower than 24).
 // At 2 or 3 rows not measured. One row takes one weight row at a time (~10% faster than blocks, Zen 4), except
 // float32 rows longer than kRowBlockBytes (> 0 where measured faster): blocks of kRowBlockRows weight rows, the next
 // block prefetched into L2 (Float32Lines).
@@ -192,7 +196,13 @@ struct BFloat16Lines : Avx512Lanes {
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
   static constexpr int64_t kShortRowsBytes = 24576;
-  static constexpr int64_t kPieceBytes = 24576;  // several rows: kRowsPieceBytes 0, as short rows fit one piece
+  static constexpr int64_t kPieceBytes = 24576;
+  // Several rows of x longer than kShortRowsBytes: blocks of 4 weight rows with x's rows whole (0, the default), or,
+  // where measured faster (OPTIMUM_NEURONX_BFLOAT16_ROWS_PIECE_BYTES > 0, per CPU: inductor_kernels.py), one weight
+  // row at a time with x in pieces of at most that many bytes (all rows together), as float32 does (Float32Lines).
+  // Shorter rows fit one piece and take one weight row at a time either way.
+  static constexpr int64_t kRowsPieceBytes = OPTIMUM_NEURONX_BFLOAT16_ROWS_PIECE_BYTES;
+  static constexpr int kBlockRows = kRowsPieceBytes > 0 ? 1 : 4;
   __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline Vector load(const Element* p) {
     return (Vector)_mm512_loadu_si512(p);
   }
@@ -612,6 +622,12 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restri
 // samples waiting at the ends of the calls in fast memory phases (perf, Zen 5, 2 threads); taken in chunks, ~1.5%,
 // and the token graph ran 1.01-1.05x faster (docs/performance.md, "Weight rows in chunks").
 constexpr int64_t kChunkBytes = OPTIMUM_NEURONX_DOT_CHUNK_BYTES > 0 ? OPTIMUM_NEURONX_DOT_CHUNK_BYTES : 131072;
+// Weight rows read in pieces (several rows of x, piece after piece within each chunk) take larger chunks: each
+// chunk's pieces start new streams at every row, the prefetch 2 rows ahead of each, so the longer each piece's pass
+// the fewer of those starts. Zen 4, the 1.1B shape's bfloat16 down projection at 4 rows in 2 pieces (C harness, 2
+// threads, fast memory phases): chunks of 64, 128, 256, 512 KiB and 1 MiB streamed 40.1, 43.8, 47.0, 48.7 and 48.6
+// GB/s; float32 at 4 rows in pieces of 16 KiB 1.02x faster at 512 KiB than at 128 (slow phases ~1.0x).
+constexpr int64_t kPiecedChunkBytes = OPTIMUM_NEURONX_DOT_CHUNK_BYTES > 0 ? OPTIMUM_NEURONX_DOT_CHUNK_BYTES : 524288;
 constexpr int kMaxShares = 256;  // more threads than that start in a share another thread owns
 
 struct alignas(64) NextRow {  // a line of its own: its owner's claims stay in its core's cache
@@ -694,7 +710,8 @@ bool dot_rows_parallel(const typename Lines::Element* weight, const typename Lin
   // Rows per chunk: whole blocks, at least one (a remainder only where a share ends)
   const int64_t block = weight_rows_per_block<Lines, R>(k_padded, piece >= k);
   const int64_t row_bytes = k * int64_t(sizeof(typename Lines::Element));
-  const int64_t fitting = kChunkBytes / row_bytes / block * block;  // the whole blocks that fit in kChunkBytes
+  const int64_t chunk_bytes = piece < k ? kPiecedChunkBytes : kChunkBytes;
+  const int64_t fitting = chunk_bytes / row_bytes / block * block;  // the whole blocks that fit in chunk_bytes
   const int64_t chunk = fitting > block ? fitting : block;
 #pragma omp parallel
   {
