@@ -622,7 +622,7 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restri
 // samples waiting at the ends of the calls in fast memory phases (perf, Zen 5, 2 threads); taken in chunks, ~1.5%,
 // and the token graph ran 1.01-1.05x faster (docs/performance.md, "Weight rows in chunks").
 constexpr int64_t kChunkBytes = OPTIMUM_NEURONX_DOT_CHUNK_BYTES > 0 ? OPTIMUM_NEURONX_DOT_CHUNK_BYTES : 131072;
-// Weight rows read in pieces (several rows of x, piece after piece within each chunk) take larger chunks: each
+// Weight rows read in pieces (x cut by piece_columns; piece after piece within each chunk) take larger chunks: each
 // chunk's pieces start new streams at every row, the prefetch 2 rows ahead of each, so the longer each piece's pass
 // the fewer of those starts. Zen 4, the 1.1B shape's bfloat16 down projection at 4 rows in 2 pieces (C harness, 2
 // threads, fast memory phases): chunks of 64, 128, 256, 512 KiB and 1 MiB streamed 40.1, 43.8, 47.0, 48.7 and 48.6
