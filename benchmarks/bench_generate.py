@@ -5,23 +5,23 @@ machine's memory-bandwidth bound.
     python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt (2 cores: 3-5 min)
     python benchmarks/bench_generate.py             # + bf16, batch 4, 512-token prompts, TinyLlama-1.1B shape
 
-Each (model, dtype, system, batch size) runs in its own subprocess, so peak RSS is per system and batch size;
-the batch sizes of one system take turns, one phase at a time, so their decode repeats alternate and the
-ratio between them compares the same minutes. Time to first token
-(generate with max_new_tokens=1) for each --prompt-tokens length (random token prompts) at the smallest
-batch size; per batch size, decode tokens/s on the shortest prompt ((N - 1) new tokens per row over the
-time from the first new token to the last within the same generation of N, taken by a streamer, all rows
-counted), median of --repeats runs after a warm-up. Our model is exported once per batch size (static
-shapes); compile time per graph, reload time, and greedy tokens checked against eager for each export. Roofline: a BLAS matrix-vector product, a plain
-copy and a multiply + sum compiled like our decode projections, over a 1 GiB matrix of the job's dtype, give
-the bandwidth decode can use; the parent process samples them before and after every timed decode repeat (the
-job waits meanwhile), so a bound and the rate it bounds come from the same minutes. Bound = the median over
-those samples of the fastest probe / bytes read per decode step (streamed weights + KV cache in use). Before the
-first job, the checkpoints are made in a process of their own while the first probe compiles. Before and after
-each bandwidth sample and each timed decode repeat, the round trip of a cache line between the two
-CPUs (core_round_trip.py): on a virtual machine whose host moves its CPUs it tells which memory phase a number
-came from. Writes results.json, results.md and results.png to --output-dir (bench_report.py: each repeat set
-against the samples right before and after it and labelled by the CPUs' placement, a table per placement).
+Each (model, dtype, system, batch size) runs in its own subprocess, so peak RSS is per system and batch size; the
+batch sizes of one system take turns, one phase at a time, so their decode repeats alternate and the ratio between
+them compares the same minutes. Time to first token (generate with max_new_tokens=1) for each --prompt-tokens
+length (random token prompts) at the smallest batch size; per batch size, decode tokens/s on the shortest prompt
+((N - 1) new tokens per row over the time from the first new token to the last within the same generation of N,
+taken by a streamer, all rows counted), median of --repeats runs after a warm-up. Our model is exported once per
+batch size (static shapes); compile time per graph, reload time, and greedy tokens checked against eager for each
+export. Roofline: a BLAS matrix-vector product, a plain copy and a multiply + sum compiled like our decode
+projections, over a 1 GiB matrix of the job's dtype, give the bandwidth decode can use; the parent process samples
+them before and after every timed decode repeat (the job waits meanwhile), so a bound and the rate it bounds come
+from the same minutes. Bound = the median over those samples of the fastest probe / bytes read per decode step
+(streamed weights + KV cache in use). Before the first job, the checkpoints are made in a process of their own
+while the first probe compiles. Before and after each bandwidth sample and each timed decode repeat, the round trip
+of a cache line between the two CPUs (core_round_trip.py): on a virtual machine whose host moves its CPUs it tells
+which memory phase a number came from. Writes results.json, results.md and results.png to --output-dir
+(bench_report.py: each repeat set against the samples right before and after it and labelled by the CPUs'
+placement, a table per placement).
 """
 
 from __future__ import annotations
