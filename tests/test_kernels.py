@@ -79,10 +79,10 @@ ROWS_PIECES = 2048
 # (40 outputs) and of 2100 (12: a block and 2 single rows in each thread's half) in blocks, of 48 and 100 one weight
 # row at a time; with small chunks, one block per chunk; the one row of 2100 cut into pieces takes no blocks.
 ROW_BLOCK_BYTES = 1024
-VARIANTS = [(isa, dtype, pieces, 0, int(isa == "avx512_bf16"), 0) for pieces in (-1, PIECES) for isa in DOT_ISA
+VARIANTS = [(isa, dtype, pieces, 0, 3 if isa == "avx512_bf16" else 0, 0) for pieces in (-1, PIECES) for isa in DOT_ISA
             for dtype in DOT_ISA[isa]]
 VARIANTS += [("avx512", torch.float32, pieces, ROWS_PIECES, 1, ROW_BLOCK_BYTES) for pieces in (-1, PIECES)]
-VARIANTS += [("avx512_bf16", torch.bfloat16, pieces, ROWS_PIECES, 1, 0) for pieces in (-1, PIECES)]
+VARIANTS += [("avx512_bf16", torch.bfloat16, pieces, ROWS_PIECES, 3, 0) for pieces in (-1, PIECES)]
 VARIANTS += [("avx512_bf16", torch.bfloat16, -1, 0, 0, 0)]
 
 
@@ -300,8 +300,8 @@ def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa
     "cpuinfo, identity, one_row, several_rows, float32_pieces, bfloat16_pieces, float32_row_blocks, row_prefetch, "
     "swizzled_x", [
         ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n",
-         ("AuthenticAMD", 26), 0, 0, 0, 0, 0, 1, 0),
-        ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1, 16384, 24576, 16384, 0, 1),
+         ("AuthenticAMD", 26), 0, 0, 0, 0, 0, 1, 2),
+        ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1, 16384, 24576, 16384, 0, 3),
         ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1, 0, 0, 0, 1, 0),
         ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1, 0, 0, 0, 1, 0),  # no x86 fields (e.g. aarch64)
     ])

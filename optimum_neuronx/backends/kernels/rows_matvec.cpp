@@ -24,7 +24,8 @@
 // (the same for avx512_bf16's bfloat16 rows past kShortRowsBytes), OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES
 // (AVX-512 float32 at one row: one longer than this many bytes in blocks of weight rows; 0, never),
 // OPTIMUM_NEURONX_ROW_PREFETCH (AVX-512 at one whole row: 0, no prefetch) and OPTIMUM_NEURONX_ROW_SWIZZLED_X
-// (AVX-512 at one row: 1, x's lines out of order, see x_line_slot) are defined in front of this file.
+// (AVX-512 at one row, x's lines out of order, see x_line_slot: bit 1 float32, bit 2 bfloat16) are defined in front
+// of this file.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -42,7 +43,8 @@ constexpr int64_t kLineBytes = 64;
 // the weights streamed 0.88x as fast as a plain read of them in fast memory phases; with x's lines in this order
 // (or in a random one, through a table) 1.13-1.19x faster, at the plain read's rate (C harness, docs/performance.md,
 // "x's lines out of order"); float32 rows of at most 16 KiB, without a prefetch, 1.06-1.08x (SmolLM2's shapes and
-// the 1.1B shape's of 2048 inputs; slow phases 0.98-1.04x). Several rows of x gained nothing there (0.95-1.02x).
+// the 1.1B shape's of 2048 inputs; slow phases 0.98-1.04x). Several rows of x gained nothing there (0.95-1.02x). On
+// Zen 5, with the prefetch, bfloat16 (the 1.1B shape's rows) 1.03x with the CPUs apart, float32 0.97x.
 constexpr int64_t kSwizzleLines = 8;
 
 inline int64_t x_line_slot(int64_t l) {
@@ -182,9 +184,9 @@ struct Avx512Lanes : PlainX {
   static constexpr int kBlockRows = 4;
   static constexpr int64_t kRowsPieceBytes = 0;  // several rows of x: in blocks, whole
   // One row of x, whole: whether to prefetch the weights (add_line; inductor_kernels.py's ROW_PREFETCH, not on
-  // Zen 4), and whether x's lines are kept out of order (ROW_SWIZZLED_X, on Zen 4; x_line_slot).
+  // Zen 4), and whether x's lines are kept out of order (kRowSwizzledX, each Lines its own bit of ROW_SWIZZLED_X:
+  // 1 float32, 2 bfloat16; both on Zen 4, bfloat16 on Zen 5; x_line_slot).
   static constexpr bool kRowPrefetch = OPTIMUM_NEURONX_ROW_PREFETCH != 0;
-  static constexpr bool kRowSwizzledX = OPTIMUM_NEURONX_ROW_SWIZZLED_X != 0;
   static constexpr int64_t kRowBlockBytes = 0;  // one row of x: one weight row at a time
 };
 
@@ -195,6 +197,7 @@ struct BFloat16Lines : Avx512Lanes {
   using Vector = __m512bh;
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
+  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & 2) != 0;
   static constexpr int64_t kShortRowsBytes = 24576;
   static constexpr int64_t kPieceBytes = 24576;
   // Several rows of x longer than kShortRowsBytes: blocks of 4 weight rows with x's rows whole (0, the default), or,
@@ -231,6 +234,7 @@ struct BFloat16Lines : Avx512Lanes {
   };
   using XLine = Vector;  // a line of x as two halves in the weights' order
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
+  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & 2) != 0;
   static constexpr int64_t kShortRowsBytes = 0;  // x is float32 here: blocks at every length, as Float32Lines
   static constexpr int64_t kPieceBytes = 0;
   using Avx512Lanes::keep_in_register;
@@ -278,6 +282,7 @@ struct Float32Lines : Avx512Lanes {
   using Vector = __m512;
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
+  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & 1) != 0;
   static constexpr int64_t kShortRowsBytes = 0;  // blocks at every length, where there are blocks (below)
   static constexpr int64_t kPieceBytes = 0;
   // Several rows of x: blocks of 4 weight rows with x's rows whole (0, the default), or, where measured faster
