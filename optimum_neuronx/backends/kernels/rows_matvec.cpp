@@ -24,8 +24,8 @@
 // (the same for avx512_bf16's bfloat16 rows past kShortRowsBytes), OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES
 // (AVX-512 float32 at one row: one longer than this many bytes in blocks of weight rows; 0, never),
 // OPTIMUM_NEURONX_ROW_PREFETCH (AVX-512 at one whole row: 0, no prefetch) and OPTIMUM_NEURONX_ROW_SWIZZLED_X
-// (AVX-512 at one row, x's lines out of order, see x_line_slot: bit 1 float32, bit 2 bfloat16) are defined in front
-// of this file.
+// (AVX-512 at one row, the dtypes whose x's lines are kept out of order, see x_line_slot: 1 float32, 2 bfloat16,
+// 3 both) are defined in front of this file.
 #include <immintrin.h>
 #include <omp.h>
 
