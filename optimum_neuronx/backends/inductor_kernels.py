@@ -95,7 +95,7 @@ FLOAT32_ROW_BLOCK_BYTES = CpuTuned({("AuthenticAMD", 25): 16384}, default=0)
 # of at most 16 KiB without it and with x out of order streamed 1.06-1.08x faster than with it and in order (fast
 # phases; 0.98-1.04x slow) (docs/performance.md).
 ROW_PREFETCH = CpuTuned({("AuthenticAMD", 25): 0}, default=1)
-# Which dtypes rows_matvec on AVX-512 keeps one row of x of with its 64-byte lines out of order (x_line_slot in
+# The dtypes for which rows_matvec on AVX-512 keeps one row of x with its 64-byte lines out of order (x_line_slot in
 # rows_matvec.cpp): 1 float32, 2 bfloat16, 3 both; per CPU where measured, else the default: 0, in order. Zen 4 (AMD
 # family 25): 3. There
 # bfloat16 x read in order beside the weights held the stream at ~0.88x a plain read of the weights in fast memory
