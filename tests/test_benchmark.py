@@ -1,8 +1,10 @@
 """The benchmark's own plumbing: a job in its subprocess, the bandwidth samples taken around its decode repeats."""
 
 import importlib.util
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -339,3 +341,59 @@ def test_weights_huge_page_share_spans_every_loaded_weight(bench, saved_tiny_lla
     assert bench.weights_huge_page_share(model) == 0.25
     weights = [w for w in model._weights.values() if w.numel()]
     assert spans == [(min(w.data_ptr() for w in weights), max(w.data_ptr() + w.nbytes for w in weights))]
+
+
+@pytest.fixture(scope="module")
+def breakdown():
+    return _script_module("step_breakdown")
+
+
+def test_a_calls_time_splits_into_its_regions_and_the_gaps_between_them(breakdown):
+    Region = breakdown.Region
+    # call 100..200 ns: region a 110..140 (main 112..138, the other thread 115..135), region b 150..190 (main
+    # 151..189, no other thread); a region of another call at 300.
+    regions = [Region("a", 110, 140, 112, 138, 115, 135, 135), Region("b", 150, 190, 151, 189, 0, 0, 0),
+               Region("a", 300, 310, 301, 309, 302, 308, 308)]
+    call = breakdown.call_breakdown(100, 200, regions)
+    ns = 1e-6
+    assert call["regions"] == 2
+    assert call["ms"] == pytest.approx(100 * ns)
+    assert call["in_regions_ms"] == pytest.approx(70 * ns)
+    assert call["between_regions_ms"] == pytest.approx(30 * ns)
+    assert call["gaps_ms"] == pytest.approx({"start -> a": 10 * ns, "a -> b": 10 * ns, "b -> end": 10 * ns})
+    assert sum(call["gaps_ms"].values()) == pytest.approx(call["between_regions_ms"])
+    assert call["kernels_ms"] == pytest.approx({"a": 30 * ns, "b": 40 * ns})
+    # only regions another thread took part in: the last start after the call, the ends' spread, the wait after
+    assert call["fork_ms"] == pytest.approx(5 * ns)
+    assert call["imbalance_ms"] == pytest.approx(3 * ns)
+    assert call["join_ms"] == pytest.approx(2 * ns)
+
+
+def test_kernels_are_named_from_the_graphs_symbols(breakdown):
+    name = breakdown.short_kernel_name
+    assert name("bool optimum_neuronx_kernels::dot_rows_parallel<optimum_neuronx_kernels::Float32Lines, 4>(float "
+                "const*) [clone ._omp_fn.0]") == "rows_matvec fp32 x4"
+    assert name("bool optimum_neuronx_kernels::dot_rows_parallel<optimum_neuronx_kernels::BFloat16Lines, 1>(unsigned "
+                "short const*)") == "rows_matvec bf16 x1"
+    assert name("cpp_fused__to_copy_add_div_mul_sum_5._omp_fn.0") == "inductor 5"
+    assert name("bool optimum_neuronx_kernels::decode_attention<unsigned short>(float const*)") == "decode_attention"
+
+
+def test_step_breakdown_times_the_regions_of_a_saved_models_token_steps(breakdown, saved_tiny_llama, tmp_path):
+    out = tmp_path / "breakdown.json"
+    script = BENCHMARKS / "step_breakdown.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(saved_tiny_llama), "--seconds", "0", "--calls", "3", "--generations", "1",
+         "--new-tokens", "3", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["graph"].startswith("token_")
+    (steps,) = result["steps"].values()  # one group of calls: one placement
+    assert steps["calls"] == 3 and steps["ms"] > 0 and steps["between_regions_ms"] >= 0
+    lowering = json.loads((saved_tiny_llama / "neuron_config.json").read_text())
+    if lowering["versions"]["compiler"]["lowering"]["dot_rows"]:  # its projections run in the dot kernel's regions
+        assert steps["regions"] >= 1
+        assert any(kernel.startswith("rows_matvec fp32") for kernel in steps["kernels_ms"])
+    (generate,) = result["generate"].values()
+    assert generate["generations"] == 1 and generate["step_ms"] > generate["graph_ms"] > 0
+    assert "| call | in regions |" in done.stdout
