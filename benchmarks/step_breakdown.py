@@ -163,8 +163,8 @@ class KernelNames:
         if nm is None or not Path(path).is_file():
             return [], []
         listing = subprocess.run([nm, "-C", "--defined-only", path], capture_output=True, text=True).stdout
-        symbols = sorted((int(parts[0], 16), parts[2]) for parts in (line.split(None, 2) for line in
-                                                                      listing.splitlines()) if len(parts) == 3)
+        rows = (line.split(None, 2) for line in listing.splitlines())  # address, type, name
+        symbols = sorted((int(parts[0], 16), parts[2]) for parts in rows if len(parts) == 3)
         return [address for address, _ in symbols], [name for _, name in symbols]
 
 
