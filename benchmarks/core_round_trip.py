@@ -74,6 +74,11 @@ double round_trip_ns(int cpu_a, int cpu_b, int warmup, int trips) {
 """
 
 
+def c_compiler() -> str | None:
+    """The C compiler the benchmarks build their small helpers with: $CC, else cc, else gcc; None without one."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 class CoreRoundTrip:
     """`measure()`: ns per round trip between the first two CPUs this process may run on, or None where there is
     no second CPU or no C compiler (the benchmark then records none)."""
@@ -84,7 +89,7 @@ class CoreRoundTrip:
 
     @staticmethod
     def _compile():
-        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        compiler = c_compiler()
         if compiler is None:
             logging.warning("no C compiler: the cores' round trip is not measured")
             return None

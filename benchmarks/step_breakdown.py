@@ -37,6 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_report import placement, placement_split
+from core_round_trip import CoreRoundTrip, c_compiler
+
 _CHILD = "OPTIMUM_NEURONX_STEP_BREAKDOWN_CHILD"
 
 _SHIM = r"""
@@ -133,7 +136,7 @@ Region = collections.namedtuple(
 
 
 def build_shim(directory: Path) -> Path:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         raise SystemExit("step_breakdown needs a C compiler (cc or gcc) to build its timing shim")
     source, library = directory / "step_shim.c", directory / "step_shim.so"
@@ -272,7 +275,8 @@ def generate_overhead(model, rounds: int, new_tokens: int, round_trip) -> list[d
     results = []
     try:
         for _ in range(rounds):
-            in_graph.clear(), in_forward.clear(), stamps.clear()
+            for timings in (in_graph, in_forward, stamps):
+                timings.clear()
             before = round_trip()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, eos_token_id=None,
                            do_sample=False, streamer=Clock())
@@ -292,10 +296,6 @@ def generate_overhead(model, rounds: int, new_tokens: int, round_trip) -> list[d
 
 
 def run(args) -> dict:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_report import placement, placement_split
-    from core_round_trip import CoreRoundTrip
-
     from optimum_neuronx import NeuronModelForCausalLM
 
     shim = ctypes.CDLL(None)
