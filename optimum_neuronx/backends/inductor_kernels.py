@@ -97,15 +97,14 @@ FLOAT32_ROW_BLOCK_BYTES = CpuTuned({("AuthenticAMD", 25): 16384}, default=0)
 ROW_PREFETCH = CpuTuned({("AuthenticAMD", 25): 0}, default=1)
 # The dtypes for which rows_matvec on AVX-512 keeps one row of x with its 64-byte lines out of order (x_line_slot in
 # rows_matvec.cpp): 1 float32, 2 bfloat16, 3 both; per CPU where measured, else the default: 0, in order. Zen 4 (AMD
-# family 25): 3. There
-# bfloat16 x read in order beside the weights held the stream at ~0.88x a plain read of the weights in fast memory
-# phases; out of order the kernel streamed the 1.1B shape's projections 1.13-1.17x and SmolLM2's 1.12-1.19x faster
-# (two runs), as fast as the plain read (C harness, 2 threads; slow phases 1.03-1.04x) (docs/performance.md, "x's
-# lines out of order"); float32: see ROW_PREFETCH. Zen 5 (AMD family 26): 2, bfloat16 only, the prefetch kept. There
-# the 1.1B shape's bfloat16 projections at one row streamed 1.03x faster with the CPUs apart (0.965x a plain read
-# against 0.936x; 1.00x near) and its batch-1 token graph ran 1.018x and 1.026x faster apart (0.995x near), exports
-# taking turns in one process (without the prefetch too: 0.89x); float32 (the 1.1B shape's and SmolLM2's shapes)
-# 0.97x, SmolLM2's bfloat16 shapes 0.98x (C harness) (docs/performance.md, "Back on Zen 5").
+# family 25): 3. There bfloat16 x read in order beside the weights held the stream at ~0.88x a plain read of the
+# weights in fast memory phases; out of order the kernel streamed the 1.1B shape's projections 1.13-1.17x and
+# SmolLM2's 1.12-1.19x faster (two runs), as fast as the plain read (C harness, 2 threads; slow phases 1.03-1.04x)
+# (docs/performance.md, "x's lines out of order"); float32: see ROW_PREFETCH. Zen 5 (AMD family 26): 2, bfloat16 only,
+# the prefetch kept. There the 1.1B shape's bfloat16 projections at one row streamed 1.03x faster with the CPUs apart
+# (0.965x a plain read against 0.936x; 1.00x near) and its batch-1 token graph ran 1.018x and 1.026x faster apart
+# (0.995x near), exports taking turns in one process (without the prefetch too: 0.89x); float32 (the 1.1B shape's and
+# SmolLM2's shapes) 0.97x, SmolLM2's bfloat16 shapes 0.98x (C harness) (docs/performance.md, "Back on Zen 5").
 ROW_SWIZZLED_X = CpuTuned({("AuthenticAMD", 25): 3, ("AuthenticAMD", 26): 2}, default=0)
 
 # kernel_tuning's entries, by the names exports stamp them under (and c_shim_options compiles them in under).

@@ -46,6 +46,8 @@ constexpr int64_t kLineBytes = 64;
 // the 1.1B shape's of 2048 inputs; slow phases 0.98-1.04x). Several rows of x gained nothing there (0.95-1.02x). On
 // Zen 5, with the prefetch, bfloat16 (the 1.1B shape's rows) 1.03x with the CPUs apart, float32 0.97x.
 constexpr int64_t kSwizzleLines = 8;
+// OPTIMUM_NEURONX_ROW_SWIZZLED_X's bits: the dtypes whose one row of x is kept out of order (Lines::kRowSwizzledX).
+constexpr int kSwizzledFloat32 = 1, kSwizzledBFloat16 = 2;
 
 inline int64_t x_line_slot(int64_t l) {
   return (l & ~(kSwizzleLines - 1)) | ((l * 5 + l / kSwizzleLines) & (kSwizzleLines - 1));
@@ -197,7 +199,7 @@ struct BFloat16Lines : Avx512Lanes {
   using Vector = __m512bh;
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
-  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & 2) != 0;
+  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & kSwizzledBFloat16) != 0;
   static constexpr int64_t kShortRowsBytes = 24576;
   static constexpr int64_t kPieceBytes = 24576;
   // Several rows of x longer than kShortRowsBytes: blocks of 4 weight rows with x's rows whole (0, the default), or,
@@ -234,7 +236,7 @@ struct BFloat16Lines : Avx512Lanes {
   };
   using XLine = Vector;  // a line of x as two halves in the weights' order
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
-  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & 2) != 0;
+  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & kSwizzledBFloat16) != 0;
   static constexpr int64_t kShortRowsBytes = 0;  // x is float32 here: blocks at every length, as Float32Lines
   static constexpr int64_t kPieceBytes = 0;
   using Avx512Lanes::keep_in_register;
@@ -282,7 +284,7 @@ struct Float32Lines : Avx512Lanes {
   using Vector = __m512;
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
-  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & 1) != 0;
+  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & kSwizzledFloat32) != 0;
   static constexpr int64_t kShortRowsBytes = 0;  // blocks at every length, where there are blocks (below)
   static constexpr int64_t kPieceBytes = 0;
   // Several rows of x: blocks of 4 weight rows with x's rows whole (0, the default), or, where measured faster
