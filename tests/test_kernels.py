@@ -216,7 +216,8 @@ def test_kernel_does_every_share_in_a_team_smaller_than_planned(kernel_package, 
 def test_fake_kernel_names_bad_operands():
     with torch._subclasses.FakeTensorMode():
         x, weight = torch.empty(2, 8, dtype=torch.bfloat16), torch.empty(5, 9, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match=r"x \[R, K\] and weight \[N, K\]; got \(2, 8\) and \(5, 9\)"):
+        with pytest.raises(ValueError, match=r"x \[R, K\] and weight \[N, K\] or tiles \[N / T, K, T\]; "
+                                             r"got \(2, 8\) and \(5, 9\)"):
             rows_matvec(x, weight)
         with pytest.raises(ValueError, match=r"two bfloat16 or two float32 tensors; got torch.float32 and "
                                              r"torch.bfloat16"):

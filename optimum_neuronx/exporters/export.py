@@ -91,8 +91,8 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     hf_model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32, **hf_kwargs)
     with torch.device("meta"):
         decoder = StaticDecoder(spec, backend.lowering(neuron_config.torch_dtype, neuron_config.batch_size))
-    weights = export_config.convert_weights(hf_model.state_dict(), decoder.parameter_names(),
-                                            neuron_config.torch_dtype, spec.num_layers)
+    weights = decoder.arrange_weights(export_config.convert_weights(hf_model.state_dict(), decoder.parameter_names(),
+                                                                    neuron_config.torch_dtype, spec.num_layers))
     decoder.load_state_dict(weights, strict=False, assign=True)
     decoder.eval()
     generation_config = hf_model.generation_config

@@ -14,6 +14,7 @@ import torch
 
 from ..configuration import NeuronConfig
 from ..modeling.decoder import DecoderSpec
+from ..modeling.ops import untile_weight
 
 # A flag is either a constant or the name of a boolean field of the Transformers config.
 Flag = Union[bool, str]
@@ -154,8 +155,8 @@ class ExportConfig:
         return [s.format(i=match.group(1)) if match else s for s in sources]
 
     def restore_weights(self, decoder_weights: Mapping[str, torch.Tensor], hf_state: Mapping[str, torch.Tensor]) -> dict:
-        """Inverse of convert_weights: split fused (and stacked) decoder weights back into Transformers' names and
-        shapes."""
+        """Inverse of convert_weights: split fused (and stacked, and tiled: `StaticDecoder.arrange_weights`) decoder
+        weights back into Transformers' names and shapes."""
         per_layer = {}
         for name, tensor in decoder_weights.items():
             if _is_stacked(name):
@@ -167,6 +168,8 @@ class ExportConfig:
             hf_names = self._sources(name)
             if hf_names is None:
                 continue  # derived buffers (RoPE frequencies)
+            if tensor.dim() == 3:  # a tiled projection weight [N / T, K, T]
+                tensor = untile_weight(tensor)
             sizes = [hf_state[n].shape[0] for n in hf_names]
             for hf_name, part in zip(hf_names, torch.split(tensor, sizes, dim=0)):
                 out[hf_name] = part.to(hf_state[hf_name].dtype)

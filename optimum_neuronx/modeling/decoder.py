@@ -22,7 +22,8 @@ projections over a handful of rows (decode) as the custom op `rows_matvec` (ops.
 compiles to its own dot-product kernel; other projections over a handful of rows as multiply + sum, which Inductor fuses
 into one streaming reduction over the weight with one accumulator per row; otherwise F.linear, or oneDNN's
 linear, whose weights the runtime may reorder at load into oneDNN's blocked layout (`packed_rows`) - faster at a
-few rows than both of the latter (docs/performance.md). Packed weights are per-layer tensors that cannot be stacked:
+few rows than both of the latter (docs/performance.md). Float32 weights may be stored in tiles (`weight_tile`,
+ops.py), which the dot kernel streams faster at several rows. Packed weights are per-layer tensors that cannot be stacked:
 an export that packs keeps one `DecoderLayer` per layer and unrolls them (`Lowering.stacked_layers`).
 """
 
@@ -36,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._higher_order_ops.scan import scan
 
-from .ops import ROWS_MATVEC_DTYPES, decode_attention, onednn_linear, rows_matvec
+from .ops import (ROWS_MATVEC_DTYPES, decode_attention, onednn_linear, rows_matvec, tile_weight, tiled_linear,
+                  tiled_outputs)
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -92,6 +94,10 @@ class Lowering:
         compiles its own kernel (variant `dot_isa`).
     causal_block: when > 0, context attention runs SDPA per block of this many query tokens, each against only
         the keys up to its last token (`attention_masks`): the blocks above the diagonal are never computed.
+    weight_tile: when > 0, the projection weights (layers, untied LM head) whose outputs are a multiple of it are
+        stored tiled, [N / T, K, T] (ops.py, `StaticDecoder.tiled_weight_names`): decode reads them through the dot
+        kernel (which must then take every decode row: dot_rows at least the batch), prefill through
+        `tiled_linear`.
     """
 
     dot_rows: int = 0
@@ -104,6 +110,7 @@ class Lowering:
     attention_tokens: int = 0
     attention_kernel: bool = False
     causal_block: int = 0
+    weight_tile: int = 0
 
     @property
     def stacked_layers(self) -> bool:
@@ -132,7 +139,12 @@ class Lowering:
                 "matvec_rows": self.matvec_rows,
                 "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."), "onednn": self.onednn,
                 "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens,
-                "attention_kernel": self.attention_kernel, "causal_block": self.causal_block}
+                "attention_kernel": self.attention_kernel, "causal_block": self.causal_block,
+                "weight_tile": self.weight_tile}
+
+    def tiles(self, outputs: int) -> int:
+        """The tile a projection weight of `outputs` outputs is stored in (0: plain)."""
+        return self.weight_tile if self.weight_tile and outputs % self.weight_tile == 0 else 0
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lowering: Lowering,
@@ -149,6 +161,17 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     `onednn_linear`.
     """
     rows = x.numel() // x.shape[-1]
+    if weight.dim() == 3:  # tiled (Lowering.weight_tile): the dot kernel at decode, else `tiled_linear`
+        flat = x.reshape(rows, x.shape[-1])
+        if lowering.uses_dot_kernel(rows, x.dtype, x.shape[-1]):
+            out = rows_matvec(flat, weight)
+            out = out if bias is None else out + bias
+        elif rows <= lowering.matvec_rows:
+            raise ValueError(f"a tiled weight needs the dot kernel for {rows} rows (Lowering.dot_rows "
+                             f"{lowering.dot_rows}): raise dot_rows or keep the weights plain (weight_tile 0)")
+        else:
+            out = tiled_linear(flat, weight, bias)
+        return out.reshape(*x.shape[:-1], tiled_outputs(weight))
     if lowering.uses_dot_kernel(rows, x.dtype, x.shape[-1]) and weight.dtype == x.dtype:
         out = rows_matvec(x.reshape(rows, x.shape[-1]), weight)
         if bias is not None:
@@ -308,13 +331,15 @@ class RMSNorm(nn.Module):
 
 
 class Weights(nn.Module):
-    """The parameters of one projection (weight [out, in], optional bias [out]) or norm (weight [size]), named as
-    Transformers names them, each with the leading axes `lead` (the layer axis of stacked layers)."""
+    """The parameters of one projection (weight [out, in], or with `tile` > 0 its tiles [out / tile, in, tile],
+    ops.py; optional bias [out]) or norm (weight [size]), named as Transformers names them, each with the leading
+    axes `lead` (the layer axis of stacked layers)."""
 
     def __init__(self, shape: tuple[int, ...], bias: bool = False, lead: tuple[int, ...] = (),
-                 fill: float | None = None):
+                 fill: float | None = None, tile: int = 0):
         super().__init__()
-        weight = torch.empty(*lead, *shape)
+        self.tile = tile
+        weight = torch.empty(*lead, *((shape[0] // tile, shape[1], tile) if tile else shape))
         self.weight = nn.Parameter(weight.fill_(fill) if fill is not None else nn.init.normal_(weight, std=0.02))
         self.bias = nn.Parameter(torch.zeros(*lead, shape[0])) if bias else None
 
@@ -333,15 +358,17 @@ class DecoderLayer(nn.Module):
         s, lead = spec, ((layers,) if layers else ())
         self.spec, self.lowering, self.stacked = spec, lowering, bool(layers)
         kv_width = s.num_kv_heads * s.head_dim
+        qkv_width, tiles = s.num_heads * s.head_dim + 2 * kv_width, lowering.tiles
         self.input_norm = Weights((s.hidden_size,), lead=lead, fill=1.0)
-        self.qkv_proj = Weights((s.num_heads * s.head_dim + 2 * kv_width, s.hidden_size), s.qkv_bias, lead)
-        self.o_proj = Weights((s.hidden_size, s.num_heads * s.head_dim), s.o_bias, lead)
+        self.qkv_proj = Weights((qkv_width, s.hidden_size), s.qkv_bias, lead, tile=tiles(qkv_width))
+        self.o_proj = Weights((s.hidden_size, s.num_heads * s.head_dim), s.o_bias, lead, tile=tiles(s.hidden_size))
         if s.qk_norm:
             self.q_norm = Weights((s.head_dim,), lead=lead, fill=1.0)
             self.k_norm = Weights((s.head_dim,), lead=lead, fill=1.0)
         self.post_attention_norm = Weights((s.hidden_size,), lead=lead, fill=1.0)
-        self.gate_up_proj = Weights((2 * s.intermediate_size, s.hidden_size), s.mlp_bias, lead)
-        self.down_proj = Weights((s.hidden_size, s.intermediate_size), s.mlp_bias, lead)
+        self.gate_up_proj = Weights((2 * s.intermediate_size, s.hidden_size), s.mlp_bias, lead,
+                                    tile=tiles(2 * s.intermediate_size))
+        self.down_proj = Weights((s.hidden_size, s.intermediate_size), s.mlp_bias, lead, tile=tiles(s.hidden_size))
 
     def weights(self) -> dict[str, torch.Tensor]:
         return dict(self.named_parameters())
@@ -405,7 +432,7 @@ class StaticDecoder(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(spec, layers) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Weights((spec.vocab_size, spec.hidden_size), tile=lowering.tiles(spec.vocab_size))
         # Explicit device: the decoder is built on the meta device at export and only this buffer is real.
         self.register_buffer("rope_inv_freq", torch.tensor(spec.rope_inv_freq, dtype=torch.float32, device="cpu"))
         self.requires_grad_(False)
@@ -413,6 +440,16 @@ class StaticDecoder(nn.Module):
     def parameter_names(self) -> list[str]:
         """Names filled from the checkpoint (the RoPE buffer is derived from the config)."""
         return [name for name, _ in self.named_parameters()]
+
+    def tiled_weight_names(self) -> list[str]:
+        """The parameters stored tiled (`Lowering.weight_tile`): what `arrange_weights` tiles."""
+        return [f"{name}.weight" for name, module in self.named_modules()
+                if isinstance(module, Weights) and module.tile]
+
+    def arrange_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Plain checkpoint weights (names as `parameter_names`) in this decoder's layout: tiled where it tiles."""
+        tiled = set(self.tiled_weight_names())
+        return {name: tile_weight(w, self.lowering.weight_tile) if name in tiled else w for name, w in weights.items()}
 
     def packable_weight_names(self) -> list[str]:
         """Weights read only by oneDNN's linear, which the runtime may reorder for it (`Lowering.packed_rows`).

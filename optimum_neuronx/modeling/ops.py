@@ -3,6 +3,10 @@
 Each op is defined by its eager implementation (what every backend without a kernel of its own computes,
 and what torch.export traces through) and a fake one for shapes. The inductor backend compiles
 `rows_matvec` and `decode_attention` into its graphs as hand-written C++ kernels (backends/inductor_kernels.py).
+
+A projection weight is either plain, [N, K], or tiled, [N / T, K, T] (`tile_weight`): tile i holds outputs i * T ..
+i * T + T - 1, input by input, so a pass over it reads one contiguous stream and each input's T weights sit side by
+side (the kernel multiplies them by that one input, broadcast; backends/kernels/rows_matvec.cpp).
 """
 
 from __future__ import annotations
@@ -15,15 +19,72 @@ import torch.nn.functional as F
 ROWS_MATVEC_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def tile_weight(weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """A plain weight [..., N, K] (N a multiple of `tile`) as tiles [..., N / tile, K, tile] (see above)."""
+    *lead, n, k = weight.shape
+    if n % tile:
+        raise ValueError(f"a weight of {n} outputs cannot be cut into tiles of {tile}")
+    return weight.reshape(*lead, n // tile, tile, k).transpose(-1, -2).contiguous()
+
+
+def untile_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The plain weight [..., N, K] of tiles [..., N / T, K, T] (`tile_weight`'s inverse)."""
+    *lead, tiles, k, tile = weight.shape
+    return weight.transpose(-1, -2).reshape(*lead, tiles * tile, k)
+
+
+def tiled_outputs(weight: torch.Tensor) -> int:
+    """N, the outputs of a tiled weight [N / T, K, T]."""
+    return weight.shape[0] * weight.shape[2]
+
+
+def _tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # x [R, K] @ each tile [K, T] -> [N / T, R, T] -> [R, N]
+    return torch.matmul(x, weight).transpose(0, 1).reshape(x.shape[0], tiled_outputs(weight))
+
+
 @torch.library.custom_op("optimum_neuronx::rows_matvec", mutates_args=())
 def rows_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` for a few rows x [R, K] and a dense weight [N, K] -> [R, N], both bfloat16 or both
-    float32.
+    """`F.linear(x, weight)` for a few rows x [R, K] and a dense weight, plain [N, K] or (float32 only) tiled
+    [N / T, K, T] -> [R, N], both bfloat16 or both float32.
 
     Sums in float32 (bfloat16: rounded once). Meant for decode, where R is the batch: the compiled kernel reads
-    each weight row once for all rows of x.
+    each weight row (or tile) once for all rows of x.
     """
-    return F.linear(x, weight)
+    return _tiled_linear(x, weight) if weight.dim() == 3 else F.linear(x, weight)
+
+
+# Tiled weights up to this many bytes are copied back to rows for one oneDNN call; larger ones take one call per
+# tile. At 512 rows (AMD EPYC, Zen 5): SmolLM2's projections (1-7 MB) 1.14x a plain weight's time copied, 1.27-1.6x per
+# tile; the 1.1B shape's (21-92 MB) 1.03-1.16x per tile, 1.19-1.61x copied (docs/performance.md).
+TILED_LINEAR_COPY_BYTES = 16 << 20
+
+
+@torch.library.custom_op("optimum_neuronx::tiled_linear", mutates_args=())
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """`F.linear` of x [R, K] with a tiled weight [N / T, K, T] -> [R, N], for many rows (prefill): oneDNN's linear,
+    on the weight copied back to rows when small (TILED_LINEAR_COPY_BYTES), else once per tile, which reads the tile
+    [K, T] as the transposed weight [T, K] it is, no copy.
+
+    Opaque to Inductor, like `onednn_linear`: AOTInductor calls it through the dispatcher (this module registers it
+    wherever a graph is loaded). Without oneDNN: one batched matrix product over the tiles.
+    """
+    if not torch.backends.mkldnn.is_available() or x.dtype != torch.float32:
+        out = _tiled_linear(x, weight)
+        return out if bias is None else out + bias
+    if weight.numel() * weight.element_size() <= TILED_LINEAR_COPY_BYTES:
+        return torch.ops.mkldnn._linear_pointwise(x, untile_weight(weight), bias, "none", [], "")
+    tile = weight.shape[2]
+    out = x.new_empty(x.shape[0], tiled_outputs(weight))
+    for i in range(weight.shape[0]):
+        part = None if bias is None else bias[i * tile:(i + 1) * tile]
+        out[:, i * tile:(i + 1) * tile] = torch.ops.mkldnn._linear_pointwise(x, weight[i].t(), part, "none", [], "")
+    return out
+
+
+@tiled_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty(x.shape[0], tiled_outputs(weight))
 
 
 @torch.library.custom_op("optimum_neuronx::decode_attention", mutates_args=())
@@ -61,12 +122,14 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> to
 
 @rows_matvec.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"rows_matvec takes x [R, K] and weight [N, K]; got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+    if x.dim() != 2 or weight.dim() not in (2, 3) or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"rows_matvec takes x [R, K] and weight [N, K] or tiles [N / T, K, T]; got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype or x.dtype not in ROWS_MATVEC_DTYPES:
         raise ValueError(f"rows_matvec takes two bfloat16 or two float32 tensors; got {x.dtype} and {weight.dtype}")
-    return x.new_empty(x.shape[0], weight.shape[0])
+    if weight.dim() == 3 and weight.dtype != torch.float32:
+        raise ValueError(f"rows_matvec takes tiled weights in float32 only; got {weight.dtype}")
+    return x.new_empty(x.shape[0], tiled_outputs(weight) if weight.dim() == 3 else weight.shape[0])
 
 
 @decode_attention.register_fake

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 namespace optimum_neuronx_kernels {
 
@@ -701,6 +702,32 @@ const typename Lines::XElement* aligned_rows(const typename Lines::Element* x, i
   return buffer;
 }
 
+// Items [0, n) (weight rows, tiles) split into one share per thread of the team planned (omp_get_max_threads), each
+// handed out in chunks: a thread takes its own share's chunks front to back, then the chunks left in the others'.
+// Built before the parallel region (the fork publishes it to the team); every thread of the region calls take().
+struct Shares {
+  int count;
+  NextRow next[kMaxShares];
+
+  explicit Shares(int64_t n) {
+    const int max_threads = omp_get_max_threads();
+    count = max_threads < kMaxShares ? max_threads : kMaxShares;
+    for (int s = 0; s < count; ++s) next[s].row = n * s / count;
+  }
+
+  // Every share is visited by every thread, so a team smaller than planned (a nested call) still does all items.
+  template <typename Body>
+  void take(int64_t n, int64_t chunk, Body body) {
+    const int thread = omp_get_thread_num();
+    for (int i = 0; i < count; ++i) {
+      const int share = (thread + i) % count;
+      const int64_t end = n * (share + 1) / count;
+      for (int64_t begin; (begin = __atomic_fetch_add(&next[share].row, chunk, __ATOMIC_RELAXED)) < end;)
+        body(begin, begin + chunk < end ? begin + chunk : end);
+    }
+  }
+};
+
 // Each thread copies x (aligned_rows) into a buffer of its own inside the parallel region: x was just written by
 // the step's previous kernels, partly on the other core, and one thread's copy read by all sent every line across
 // once more, after a copy the other thread waited for (with the CPUs apart, ~0.3 ms of a SmolLM2 bfloat16 batch-4
@@ -710,10 +737,7 @@ bool dot_rows_parallel(const typename Lines::Element* weight, const typename Lin
                        const int64_t* x_strides, int64_t k, int64_t k_padded, int64_t n_out, int64_t piece,
                        float* partial, typename Lines::Element* y) {
   bool failed = false;
-  const int max_threads = omp_get_max_threads();
-  const int shares = max_threads < kMaxShares ? max_threads : kMaxShares;
-  NextRow next[kMaxShares];
-  for (int s = 0; s < shares; ++s) next[s].row = n_out * s / shares;  // the fork publishes them to the team
+  Shares shares(n_out);
   // Rows per chunk: whole blocks, at least one (a remainder only where a share ends)
   const int64_t block = weight_rows_per_block<Lines, R>(k_padded, piece >= k);
   const int64_t row_bytes = k * int64_t(sizeof(typename Lines::Element));
@@ -725,18 +749,107 @@ bool dot_rows_parallel(const typename Lines::Element* weight, const typename Lin
     const typename Lines::XElement* x =
         aligned_rows<Lines>(x_data, R, k, x_strides[0], x_strides[1], k_padded, piece);
     if (!x) __atomic_store_n(&failed, true, __ATOMIC_RELAXED);
-    // Every share is visited by every thread, so a team smaller than planned (a nested call) still does all rows.
-    const int thread = omp_get_thread_num();
-    for (int i = 0; x && i < shares; ++i) {
-      const int share = (thread + i) % shares;
-      const int64_t end = n_out * (share + 1) / shares;
-      for (int64_t begin; (begin = __atomic_fetch_add(&next[share].row, chunk, __ATOMIC_RELAXED)) < end;)
-        dot_rows<Lines, R>(weight, x, k, k_padded, n_out, begin, begin + chunk < end ? begin + chunk : end, piece,
-                           partial, y);
-    }
+    if (x)
+      shares.take(n_out, chunk, [&](int64_t begin, int64_t end) {
+        dot_rows<Lines, R>(weight, x, k, k_padded, n_out, begin, end, piece, partial, y);
+      });
   }
   return !failed;
 }
+
+#if OPTIMUM_NEURONX_DOT_AVX512
+// float32 weights in tiles [n_out / T, k, T] (ops.py's tile_weight; T = 16 V): tile t holds outputs t T .. t T + T - 1
+// input by input, so a pass reads one stream, and each input's T weights (V lines) are multiplied by that input of
+// each row of x, broadcast, into R x V accumulators: per weight line one load and R multiply-adds, no loads of x
+// lines and no sums across lanes. Plain rows at 4 rows of x held a Zen 5 core to ~0.69x a plain read (blocks of 4
+// weight rows: 4 streams, and a line of x loaded per weight line); tiles stream at its rate (docs/performance.md,
+// "Float32 weights in tiles"). Few accumulators (R V <= 8) take two inputs per step into two sets, so that enough
+// multiply-adds are independent. Prefetched ROW_PREFETCH_BYTES ahead in the stream, which runs on into the next tile.
+// Adds inputs i .. i + kUsed - 1 of a tile (each V lines, prefetched kAhead elements ahead) times those inputs of R
+// rows of x into accumulator sets 0 .. kUsed - 1.
+template <int R, int V, int kSets, int kUsed>
+OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_tile_inputs(
+    __m512 (&acc)[kSets][R][V], const float* __restrict tile, const float* __restrict x, int64_t x_row,
+    int64_t x_col, int64_t i) {
+  constexpr int64_t kAhead = OPTIMUM_NEURONX_ROW_PREFETCH_BYTES / sizeof(float);
+  constexpr int kLocality = R == 1 ? OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY;
+#pragma GCC unroll 2
+  for (int u = 0; u < kUsed; ++u) {
+    const float* w = tile + (i + u) * 16 * V;
+    __m512 line[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      __builtin_prefetch(w + v * 16 + kAhead, 0, kLocality);
+      line[v] = _mm512_loadu_ps(w + v * 16);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * x_row + (i + u) * x_col]);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_fmadd_ps(line[v], xr, acc[u][r][v]);
+    }
+  }
+}
+
+// y[r, t T + j] for tiles t in [first, last) (T = 16 V outputs each, n_out per row of y).
+template <int R, int V>
+OPTIMUM_NEURONX_DOT_TARGET void tiled_dot(const float* __restrict tiles, const float* __restrict x, int64_t x_row,
+                                          int64_t x_col, int64_t k, int64_t first, int64_t last, int64_t n_out,
+                                          float* __restrict y) {
+  constexpr int kSets = R * V <= 8 ? 2 : 1;
+  for (int64_t t = first; t < last; ++t) {
+    const float* tile = tiles + t * k * 16 * V;
+    __m512 acc[kSets][R][V];
+#pragma GCC unroll 2
+    for (int u = 0; u < kSets; ++u)
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + kSets <= k; i += kSets) add_tile_inputs<R, V, kSets, kSets>(acc, tile, x, x_row, x_col, i);
+    for (; i < k; ++i) add_tile_inputs<R, V, kSets, 1>(acc, tile, x, x_row, x_col, i);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) {
+        __m512 sum = acc[0][r][v];
+        if (kSets > 1) sum = _mm512_add_ps(sum, acc[kSets - 1][r][v]);
+        _mm512_storeu_ps(y + r * n_out + t * 16 * V + v * 16, sum);
+      }
+  }
+}
+
+template <int R, int V>
+void tiled_dot_parallel(const float* tiles, const float* x, const int64_t* x_strides, int64_t k, int64_t n_tiles,
+                        float* y) {
+  Shares shares(n_tiles);
+  const int64_t tile_bytes = k * 16 * V * int64_t(sizeof(float));
+  const int64_t chunk = kChunkBytes / tile_bytes > 1 ? kChunkBytes / tile_bytes : 1;
+#pragma omp parallel
+  shares.take(n_tiles, chunk, [&](int64_t begin, int64_t end) {
+    tiled_dot<R, V>(tiles, x, x_strides[0], x_strides[1], k, begin, end, n_tiles * 16 * V, y);
+  });
+}
+
+// y = x @ the tiles' weight.T for any number of rows (in chunks of kMaxRows) and tiles of 16, 32 or 64 outputs.
+template <int V>
+bool tiled_matvec(const float* x, const int64_t* x_strides, const float* tiles, int64_t rows, int64_t k,
+                  int64_t n_tiles, float* y) {
+  for (int64_t first = 0; first < rows; first += kMaxRows) {
+    const int64_t count = rows - first < kMaxRows ? rows - first : kMaxRows;
+    const float* x_rows = x + first * x_strides[0];
+    float* y_rows = y + first * n_tiles * 16 * V;
+    switch (count) {
+      case 1: tiled_dot_parallel<1, V>(tiles, x_rows, x_strides, k, n_tiles, y_rows); break;
+      case 2: tiled_dot_parallel<2, V>(tiles, x_rows, x_strides, k, n_tiles, y_rows); break;
+      case 3: tiled_dot_parallel<3, V>(tiles, x_rows, x_strides, k, n_tiles, y_rows); break;
+      default: tiled_dot_parallel<4, V>(tiles, x_rows, x_strides, k, n_tiles, y_rows); break;
+    }
+  }
+  return true;
+}
+#endif
 
 // y = x @ weight.T for any number of rows, in chunks of kMaxRows.
 template <typename Lines>
@@ -780,14 +893,21 @@ extern "C" AOTITorchError aoti_torch_cpu_rows_matvec(AtenTensorHandle x, AtenTen
   aoti_torch_get_dtype(x, &x_dtype);
   aoti_torch_get_dtype(weight, &w_dtype);
   const bool bf16 = x_dtype == aoti_torch_dtype_bfloat16(), f32 = x_dtype == aoti_torch_dtype_float32();
-  if (x_dim != 2 || w_dim != 2 || !(bf16 || f32) || w_dtype != x_dtype) return AOTI_TORCH_FAILURE;
+  const bool tiled = w_dim == 3;  // float32 tiles [n_out / T, k, T] (AVX-512, T of 16, 32 or 64)
+  if (x_dim != 2 || !(w_dim == 2 || (tiled && f32)) || !(bf16 || f32) || w_dtype != x_dtype) return AOTI_TORCH_FAILURE;
   aoti_torch_get_sizes(x, &x_sizes);
   aoti_torch_get_strides(x, &x_strides);
   aoti_torch_get_sizes(weight, &w_sizes);
   aoti_torch_get_strides(weight, &w_strides);
-  const int64_t rows = x_sizes[0], k = x_sizes[1], n_out = w_sizes[0];
-  // The weight is streamed row by row: it must be dense [n_out, k] (graph constants are).
-  if (w_sizes[1] != k || (n_out > 1 && w_strides[0] != k) || (k > 1 && w_strides[1] != 1)) return AOTI_TORCH_FAILURE;
+  const int64_t rows = x_sizes[0], k = x_sizes[1], tile = tiled ? w_sizes[2] : 1, n_out = w_sizes[0] * tile;
+  // The weight is streamed row by row (tile by tile): it must be dense [n_out, k] or [n_out / T, k, T] (graph
+  // constants are).
+  if (w_sizes[1] != k || (w_sizes[0] > 1 && w_strides[0] != k * tile) || (k > 1 && w_strides[1] != tile) ||
+      (tiled && (w_strides[2] != 1 || (tile != 16 && tile != 32 && tile != 64))))
+    return AOTI_TORCH_FAILURE;
+#if !OPTIMUM_NEURONX_DOT_AVX512
+  if (tiled) return AOTI_TORCH_FAILURE;
+#endif
   const int64_t sizes[2] = {rows, n_out}, strides[2] = {n_out, 1};
   AOTITorchError status = aoti_torch_empty_strided(2, sizes, strides, x_dtype, aoti_torch_device_type_cpu(), 0, ret0);
   if (status != AOTI_TORCH_SUCCESS) return status;
@@ -799,8 +919,18 @@ extern "C" AOTITorchError aoti_torch_cpu_rows_matvec(AtenTensorHandle x, AtenTen
     __builtin_memset(y_data, 0, rows * n_out * (bf16 ? sizeof(uint16_t) : sizeof(float)));
     return AOTI_TORCH_SUCCESS;
   }
-  const bool done =
-      bf16 ? kernels::rows_matvec<kernels::BFloat16Lines>(x_data, x_strides, w_data, rows, k, n_out, y_data)
-           : kernels::rows_matvec<kernels::Float32Lines>(x_data, x_strides, w_data, rows, k, n_out, y_data);
+  bool done = false;
+  if (tiled) {
+#if OPTIMUM_NEURONX_DOT_AVX512
+    const float *xf = static_cast<const float*>(x_data), *wf = static_cast<const float*>(w_data);
+    float* yf = static_cast<float*>(y_data);
+    done = tile == 16   ? kernels::tiled_matvec<1>(xf, x_strides, wf, rows, k, w_sizes[0], yf)
+           : tile == 32 ? kernels::tiled_matvec<2>(xf, x_strides, wf, rows, k, w_sizes[0], yf)
+                        : kernels::tiled_matvec<4>(xf, x_strides, wf, rows, k, w_sizes[0], yf);
+#endif
+  } else {
+    done = bf16 ? kernels::rows_matvec<kernels::BFloat16Lines>(x_data, x_strides, w_data, rows, k, n_out, y_data)
+                : kernels::rows_matvec<kernels::Float32Lines>(x_data, x_strides, w_data, rows, k, n_out, y_data);
+  }
   return done ? AOTI_TORCH_SUCCESS : AOTI_TORCH_FAILURE;
 }

@@ -1,0 +1,157 @@
+"""float32 projection weights stored in tiles [N / T, K, T] (Lowering.weight_tile): the ops, the dot kernel's tiled
+path, and exports that store their weights that way."""
+
+import json
+import zipfile
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from optimum_neuronx import NeuronModelForCausalLM
+from optimum_neuronx.backends import get_backend, inductor, inductor_kernels
+from optimum_neuronx.modeling import ops
+from optimum_neuronx.modeling.ops import rows_matvec, tile_weight, tiled_linear, untile_weight
+
+BACKEND = get_backend("inductor")
+# (rows, inputs, outputs, tile): 1-4 rows (one accumulator set or two), 5 rows (a chunk of 4, then 1), an odd
+# number of inputs (the last input alone after the pairs), one tile only, tiles of 16, 32 and 64 outputs
+SHAPES = [(1, 48, 64, 32), (2, 33, 96, 32), (3, 100, 128, 16), (4, 64, 256, 64), (5, 7, 32, 32), (4, 576, 32, 32),
+          (1, 2049, 320, 64), (3, 5, 48, 16)]
+
+
+def _avx512_kernel():
+    if BACKEND.dot_kernel_isa(torch.float32) != "avx512":
+        pytest.skip("tiled weights are read by the dot kernel's AVX-512 float32 variant, which this CPU lacks")
+
+
+@pytest.mark.parametrize("copy_bytes", [16 << 20, 0], ids=["copied-to-rows", "per-tile"])
+def test_tiles_round_trip_and_the_eager_ops_match_linear(copy_bytes, monkeypatch):
+    monkeypatch.setattr(ops, "TILED_LINEAR_COPY_BYTES", copy_bytes)  # tiled_linear's two ways through oneDNN
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(3, 96, 40, generator=generator), torch.randn(5, 40, generator=generator)
+    tiles = tile_weight(weight, 32)  # stacked layers: the leading axis stays
+    assert tiles.shape == (3, 3, 40, 32) and torch.equal(tiles[1, 2, 7], weight[1, 64:96, 7])
+    assert torch.equal(untile_weight(tiles), weight)
+    bias = torch.randn(96, generator=generator)
+    expected = torch.nn.functional.linear(x, weight[0], bias)
+    torch.testing.assert_close(rows_matvec(x, tiles[0]) + bias, expected)
+    torch.testing.assert_close(tiled_linear(x, tiles[0], bias), expected)
+    torch.testing.assert_close(tiled_linear(x, tiles[0], None), expected - bias)
+    with pytest.raises(ValueError, match="cannot be cut into tiles of 32"):
+        tile_weight(torch.zeros(40, 8), 32)
+    with torch._subclasses.FakeTensorMode():  # what export traces: the fake op checks the operands
+        with pytest.raises(ValueError, match="tiled weights in float32 only"):
+            rows_matvec(torch.empty(2, 40, dtype=torch.bfloat16), torch.empty(3, 40, 32, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match=r"tiles \[N / T, K, T\]; got \(2, 40\) and \(3, 41, 32\)"):
+            rows_matvec(torch.empty(2, 40), torch.empty(3, 41, 32))
+
+
+class _TiledProjections(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.plain = [torch.randn(out, k, generator=generator) for _, k, out, _ in SHAPES]
+        self.tiles = torch.nn.ParameterList(torch.nn.Parameter(tile_weight(w, tile), requires_grad=False)
+                                            for w, (*_, tile) in zip(self.plain, SHAPES))
+
+    def forward(self, xs, transposed):
+        # x as a strided view too (a row of x is a column of `transposed`): the kernel follows strides
+        return (*(rows_matvec(x, w) for x, w in zip(xs, self.tiles)), rows_matvec(transposed.t(), self.tiles[0]))
+
+
+@pytest.fixture(scope="module")
+def tiled_package(tmp_path_factory):
+    from torch._inductor.package import package_aoti
+
+    _avx512_kernel()
+    generator = torch.Generator().manual_seed(1)
+    module = _TiledProjections().eval()
+    args = ([torch.randn(rows, k, generator=generator) for rows, k, _, _ in SHAPES],
+            torch.randn(SHAPES[0][1], 3, generator=generator))
+    program = torch.export.export(module, args, strict=False)
+    # chunks of one tile: many chunks, which the threads steal from each other
+    options = inductor_kernels.c_shim_options(4, "avx512", chunk_bytes=1)
+    files = torch._inductor.aot_compile(program.module(), args, options={"aot_inductor.package": True, **options})
+    return package_aoti(str(tmp_path_factory.mktemp("tiled") / "kernel.pt2"), files), module, args
+
+
+@pytest.mark.parametrize("threads", [None, 1, 3])
+def test_kernel_reads_tiles_as_linear_does(tiled_package, threads):
+    from torch._inductor.package import load_package
+
+    path, module, (xs, transposed) = tiled_package
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        outs = load_package(path)(xs, transposed)
+    finally:
+        torch.set_num_threads(before)
+    pairs = [*zip(xs, module.plain), (transposed.t(), module.plain[0])]
+    assert len(outs) == len(pairs)
+    for out, (x, weight) in zip(outs, pairs):
+        expected = torch.nn.functional.linear(x.double(), weight.double()).float()  # float32 sums in another order
+        assert out.shape == expected.shape
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_lowering_tiles_float32_batches_of_several_rows_where_tuned(monkeypatch):
+    _avx512_kernel()
+    monkeypatch.setattr(inductor, "FLOAT32_WEIGHT_TILE", {inductor_kernels.cpu_identity(): 32})
+    assert [BACKEND.lowering(torch.float32, batch_size=b).weight_tile for b in (1, 2, 4)] == [0, 32, 32]
+    assert BACKEND.lowering(torch.float32, batch_size=5).weight_tile == 0  # oneDNN's packed weights past 4 rows
+    assert BACKEND.lowering(torch.bfloat16, batch_size=1).weight_tile == 0
+    monkeypatch.setattr(inductor, "FLOAT32_WEIGHT_TILE", {})
+    assert BACKEND.lowering(torch.float32, batch_size=4).weight_tile == 0
+
+
+@pytest.fixture(scope="module")
+def tiled_llama(tiny_checkpoint):
+    """The tiny llama exported in float32 with tiles of 32 (whatever this CPU's tuning says): batch 2, a context
+    bucket of 16 and token buckets of 32 and 64."""
+    _avx512_kernel()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(inductor, "FLOAT32_WEIGHT_TILE", {inductor_kernels.cpu_identity(): 32})
+        return NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=2,
+                                                      sequence_length=64, context_buckets=[16],
+                                                      token_buckets=[32, 64], compile_cache=False)
+
+
+def test_export_stores_tiles_and_generates_as_transformers(tiled_llama, reference_model, left_padded_batch, tmp_path):
+    from optimum_neuronx.verification import reference_from_artifact
+
+    stamp = json.loads((tiled_llama.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
+    assert stamp["lowering"]["weight_tile"] == 32
+    with safe_open(str(tiled_llama.artifact_dir / "model.safetensors"), "pt") as weights:
+        shapes = {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+    # 2 stacked layers of tiles; the LM head (untied) too; the embedding, norms and biases plain
+    assert shapes["layers.qkv_proj.weight"] == (2, 128 // 32, 64, 32)
+    assert shapes["layers.gate_up_proj.weight"] == (2, 2176 // 32, 64, 32)
+    assert shapes["layers.down_proj.weight"] == (2, 64 // 32, 1088, 32)
+    assert shapes["lm_head.weight"] == (256 // 32, 64, 32)
+    assert shapes["embed_tokens.weight"] == (256, 64) and shapes["layers.qkv_proj.bias"] == (2, 128)
+    with zipfile.ZipFile(tiled_llama.artifact_dir / "model.pt2") as package:
+        wrappers = {name: package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp")}
+    # prefill through oneDNN per tile (the dispatcher); decode through the kernel
+    assert any("tiled_linear" in text for name, text in wrappers.items() if "context" in name)
+    assert all("tiled_linear" not in text for name, text in wrappers.items() if "token" in name)
+
+    # prompts of 9 and 14 tokens, 44 new tokens: through the 16-token context graph, then token buckets 32 and 64
+    input_ids, attention_mask = (t[1:] for t in left_padded_batch)
+    reference = reference_model("llama")
+    expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=44, do_sample=False)
+    out = tiled_llama.generate(input_ids, attention_mask=attention_mask, max_new_tokens=44, do_sample=False)
+    assert torch.equal(out, expected)
+    with torch.no_grad():
+        eager = reference(input_ids, attention_mask=attention_mask).logits[:, -1]
+    compiled = tiled_llama(input_ids, attention_mask=attention_mask).logits[:, -1]
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    # the artifact's own weights rebuild the Transformers model (tiles back to rows)
+    rebuilt = reference_from_artifact(tiled_llama.artifact_dir)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(rebuilt.state_dict()[name], value)
+    # and a reload runs the tiles without compiling
+    tiled_llama.save_pretrained(tmp_path / "saved")
+    reloaded = NeuronModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert torch.equal(reloaded.generate(input_ids, attention_mask=attention_mask, max_new_tokens=20,
+                                         do_sample=False), expected[:, :input_ids.shape[1] + 20])
