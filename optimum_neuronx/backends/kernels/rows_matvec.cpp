@@ -31,7 +31,6 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <type_traits>
 
 namespace optimum_neuronx_kernels {
 
