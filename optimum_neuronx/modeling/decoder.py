@@ -161,22 +161,18 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     `onednn_linear`.
     """
     rows = x.numel() // x.shape[-1]
-    if weight.dim() == 3:  # tiled (Lowering.weight_tile): the dot kernel at decode, else `tiled_linear`
-        flat = x.reshape(rows, x.shape[-1])
-        if lowering.uses_dot_kernel(rows, x.dtype, x.shape[-1]):
-            out = rows_matvec(flat, weight)
-            out = out if bias is None else out + bias
-        elif rows <= lowering.matvec_rows:
-            raise ValueError(f"a tiled weight needs the dot kernel for {rows} rows (Lowering.dot_rows "
-                             f"{lowering.dot_rows}): raise dot_rows or keep the weights plain (weight_tile 0)")
-        else:
-            out = tiled_linear(flat, weight, bias)
-        return out.reshape(*x.shape[:-1], tiled_outputs(weight))
+    tiled = weight.dim() == 3  # Lowering.weight_tile: [N / T, K, T]
+    outputs = tiled_outputs(weight) if tiled else weight.shape[0]
     if lowering.uses_dot_kernel(rows, x.dtype, x.shape[-1]) and weight.dtype == x.dtype:
         out = rows_matvec(x.reshape(rows, x.shape[-1]), weight)
         if bias is not None:
             out = out + bias
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return out.reshape(*x.shape[:-1], outputs)
+    if tiled:  # past the dot kernel's rows: oneDNN on the tiles (prefill)
+        if rows <= lowering.matvec_rows:
+            raise ValueError(f"a tiled weight needs the dot kernel for {rows} rows (Lowering.dot_rows "
+                             f"{lowering.dot_rows}): raise dot_rows or keep the weights plain (weight_tile 0)")
+        return tiled_linear(x.reshape(rows, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], outputs)
     if rows > lowering.matvec_rows:
         gemm_dtype = lowering.gemm_dtype or x.dtype
         if gemm_dtype != x.dtype:
