@@ -38,7 +38,7 @@ from torch import nn
 from torch._higher_order_ops.scan import scan
 
 from .ops import (ROWS_MATVEC_DTYPES, decode_attention, onednn_linear, rows_matvec, tile_weight, tiled_linear,
-                  tiled_outputs)
+                  weight_outputs)
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -162,7 +162,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     """
     rows = x.numel() // x.shape[-1]
     tiled = weight.dim() == 3  # Lowering.weight_tile: [N / T, K, T]
-    outputs = tiled_outputs(weight) if tiled else weight.shape[0]
+    outputs = weight_outputs(weight)
     if lowering.uses_dot_kernel(rows, x.dtype, x.shape[-1]) and weight.dtype == x.dtype:
         out = rows_matvec(x.reshape(rows, x.shape[-1]), weight)
         if bias is not None:

@@ -33,14 +33,18 @@ def untile_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.transpose(-1, -2).reshape(*lead, tiles * tile, k)
 
 
-def tiled_outputs(weight: torch.Tensor) -> int:
-    """N, the outputs of a tiled weight [N / T, K, T]."""
-    return weight.shape[0] * weight.shape[2]
+def weight_outputs(weight: torch.Tensor) -> int:
+    """N, the outputs of a projection weight, plain [N, K] or tiled [N / T, K, T]."""
+    return weight.shape[0] * weight.shape[2] if weight.dim() == 3 else weight.shape[0]
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # x [R, K] @ each tile [K, T] -> [N / T, R, T] -> [R, N]
-    return torch.matmul(x, weight).transpose(0, 1).reshape(x.shape[0], tiled_outputs(weight))
+    return torch.matmul(x, weight).transpose(0, 1).reshape(x.shape[0], weight_outputs(weight))
 
 
 @torch.library.custom_op("optimum_neuronx::rows_matvec", mutates_args=())
@@ -73,18 +77,18 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         out = _tiled_linear(x, weight)
         return out if bias is None else out + bias
     if weight.numel() * weight.element_size() <= TILED_LINEAR_COPY_BYTES:
-        return torch.ops.mkldnn._linear_pointwise(x, untile_weight(weight), bias, "none", [], "")
+        return _onednn(x, untile_weight(weight), bias)
     tile = weight.shape[2]
-    out = x.new_empty(x.shape[0], tiled_outputs(weight))
+    out = x.new_empty(x.shape[0], weight_outputs(weight))
     for i in range(weight.shape[0]):
         part = None if bias is None else bias[i * tile:(i + 1) * tile]
-        out[:, i * tile:(i + 1) * tile] = torch.ops.mkldnn._linear_pointwise(x, weight[i].t(), part, "none", [], "")
+        out[:, i * tile:(i + 1) * tile] = _onednn(x, weight[i].t(), part)
     return out
 
 
 @tiled_linear.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return x.new_empty(x.shape[0], tiled_outputs(weight))
+    return x.new_empty(x.shape[0], weight_outputs(weight))
 
 
 @torch.library.custom_op("optimum_neuronx::decode_attention", mutates_args=())
@@ -112,7 +116,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     loop a weight is one layer's slice of the stacked weights. AOTInductor calls it through the dispatcher (this
     module registers it wherever a graph is loaded); at prefill sizes that costs nothing next to the GEMM.
     """
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return _onednn(x, weight, bias)
 
 
 @onednn_linear.register_fake
@@ -129,7 +133,7 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"rows_matvec takes two bfloat16 or two float32 tensors; got {x.dtype} and {weight.dtype}")
     if weight.dim() == 3 and weight.dtype != torch.float32:
         raise ValueError(f"rows_matvec takes tiled weights in float32 only; got {weight.dtype}")
-    return x.new_empty(x.shape[0], tiled_outputs(weight) if weight.dim() == 3 else weight.shape[0])
+    return x.new_empty(x.shape[0], weight_outputs(weight))
 
 
 @decode_attention.register_fake
