@@ -11,6 +11,7 @@ from safetensors import safe_open
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.backends import get_backend, inductor, inductor_kernels
 from optimum_neuronx.modeling import ops
+from optimum_neuronx.modeling.decoder import Lowering, project
 from optimum_neuronx.modeling.ops import rows_matvec, tile_weight, tiled_linear, untile_weight
 
 BACKEND = get_backend("inductor")
@@ -103,6 +104,23 @@ def test_lowering_tiles_float32_batches_of_several_rows_where_tuned(monkeypatch)
     assert BACKEND.lowering(torch.bfloat16, batch_size=1).weight_tile == 0
     monkeypatch.setattr(inductor, "FLOAT32_WEIGHT_TILE", {})
     assert BACKEND.lowering(torch.float32, batch_size=4).weight_tile == 0
+
+
+def test_project_routes_tiles_by_rows_and_refuses_rows_it_cannot_read():
+    # `project` (eager: the custom ops' own implementations): decode rows through the dot kernel, prefill rows
+    # through tiled_linear, and a clear error where neither may read the tiles
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(64, 24, generator=generator), torch.randn(64, generator=generator)
+    tiles = tile_weight(weight, 32)
+    lowering = Lowering(dot_rows=4, matvec_rows=4, onednn=True, weight_tile=32)
+    for rows in (1, 4, 9):  # 1 and 4: rows_matvec; 9: past dot_rows and matvec_rows, tiled_linear
+        x = torch.randn(1, rows, 24, generator=generator)
+        torch.testing.assert_close(project(x, tiles, bias, lowering), torch.nn.functional.linear(x, weight, bias))
+    for narrow in (Lowering(dot_rows=1, matvec_rows=4, weight_tile=32),  # 3 rows: past the kernel, not past matvec
+                   Lowering(dot_rows=4, dot_one_row_width=16, matvec_rows=4, weight_tile=32)):  # one row too wide
+        rows = 3 if narrow.dot_rows == 1 else 1
+        with pytest.raises(ValueError, match=rf"a tiled weight needs the dot kernel for {rows} rows"):
+            project(torch.randn(rows, 24, generator=generator), tiles, None, narrow)
 
 
 @pytest.fixture(scope="module")
