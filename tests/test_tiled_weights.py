@@ -46,6 +46,10 @@ def test_tiles_round_trip_and_the_eager_ops_match_linear(copy_bytes, monkeypatch
             rows_matvec(torch.empty(2, 40, dtype=torch.bfloat16), torch.empty(3, 40, 32, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match=r"tiles \[N / T, K, T\]; got \(2, 40\) and \(3, 41, 32\)"):
             rows_matvec(torch.empty(2, 40), torch.empty(3, 41, 32))
+        with pytest.raises(ValueError, match=r"tiled_linear takes x \[R, K\], tiles \[N / T, K, T\] and a bias"):
+            tiled_linear(torch.empty(9, 40), torch.empty(3, 41, 32), None)
+        with pytest.raises(ValueError, match=r"and \(\(95,\), torch.float32\)"):
+            tiled_linear(torch.empty(9, 40), torch.empty(3, 40, 32), torch.empty(95))
 
 
 class _TiledProjections(torch.nn.Module):
@@ -55,10 +59,21 @@ class _TiledProjections(torch.nn.Module):
         self.plain = [torch.randn(out, k, generator=generator) for _, k, out, _ in SHAPES]
         self.tiles = torch.nn.ParameterList(torch.nn.Parameter(tile_weight(w, tile), requires_grad=False)
                                             for w, (*_, tile) in zip(self.plain, SHAPES))
+        # a bias for every other prefill (tiled_linear's kernel adds it; the others pass None)
+        self.biases = [torch.randn(out, generator=generator) if i % 2 else None
+                       for i, (_, _, out, _) in enumerate(SHAPES)]
 
-    def forward(self, xs, transposed):
-        # x as a strided view too (a row of x is a column of `transposed`): the kernel follows strides
-        return (*(rows_matvec(x, w) for x, w in zip(xs, self.tiles)), rows_matvec(transposed.t(), self.tiles[0]))
+    def forward(self, xs, transposed, many):
+        # x as a strided view too (a row of x is a column of `transposed`): the kernel follows strides. `many`: x
+        # of PREFILL_ROWS rows each, for tiled_linear (prefill) over the same tiles
+        return (*(rows_matvec(x, w) for x, w in zip(xs, self.tiles)), rows_matvec(transposed.t(), self.tiles[0]),
+                *(tiled_linear(x, w, b) for x, w, b in zip(many, self.tiles, self.biases)),
+                tiled_linear(transposed.t(), self.tiles[0], None))
+
+
+# rows of x per SHAPES entry for tiled_linear: blocks of 8 rows (tiles of 16 and 32) or 4 (64), and what is left
+# after them (a half block, then fewer)
+PREFILL_ROWS = [13, 8, 23, 7, 1, 9, 3, 30]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +84,8 @@ def tiled_package(tmp_path_factory):
     generator = torch.Generator().manual_seed(1)
     module = _TiledProjections().eval()
     args = ([torch.randn(rows, k, generator=generator) for rows, k, _, _ in SHAPES],
-            torch.randn(SHAPES[0][1], 3, generator=generator))
+            torch.randn(SHAPES[0][1], 3, generator=generator),
+            [torch.randn(rows, k, generator=generator) for rows, (_, k, _, _) in zip(PREFILL_ROWS, SHAPES)])
     program = torch.export.export(module, args, strict=False)
     # chunks of one tile: many chunks, which the threads steal from each other
     options = inductor_kernels.c_shim_options(4, "avx512", chunk_bytes=1)
@@ -81,17 +97,20 @@ def tiled_package(tmp_path_factory):
 def test_kernel_reads_tiles_as_linear_does(tiled_package, threads):
     from torch._inductor.package import load_package
 
-    path, module, (xs, transposed) = tiled_package
+    path, module, (xs, transposed, many) = tiled_package
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        outs = load_package(path)(xs, transposed)
+        outs = load_package(path)(xs, transposed, many)
     finally:
         torch.set_num_threads(before)
-    pairs = [*zip(xs, module.plain), (transposed.t(), module.plain[0])]
-    assert len(outs) == len(pairs)
-    for out, (x, weight) in zip(outs, pairs):
-        expected = torch.nn.functional.linear(x.double(), weight.double()).float()  # float32 sums in another order
+    triples = [*((x, w, None) for x, w in zip(xs, module.plain)), (transposed.t(), module.plain[0], None),
+               *zip(many, module.plain, module.biases), (transposed.t(), module.plain[0], None)]
+    assert len(outs) == len(triples)
+    for out, (x, weight, bias) in zip(outs, triples):
+        # float32 sums in another order
+        expected = torch.nn.functional.linear(x.double(), weight.double(), bias if bias is None else bias.double())
+        expected = expected.float()
         assert out.shape == expected.shape
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
@@ -150,9 +169,11 @@ def test_export_stores_tiles_and_generates_as_transformers(tiled_llama, referenc
     assert shapes["embed_tokens.weight"] == (256, 64) and shapes["layers.qkv_proj.bias"] == (2, 128)
     with zipfile.ZipFile(tiled_llama.artifact_dir / "model.pt2") as package:
         wrappers = {name: package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp")}
-    # prefill through oneDNN per tile (the dispatcher); decode through the kernel
-    assert any("tiled_linear" in text for name, text in wrappers.items() if "context" in name)
-    assert all("tiled_linear" not in text for name, text in wrappers.items() if "token" in name)
+    # prefill through our tiled_linear kernel (a direct call, not the dispatcher); decode through the dot kernel
+    call = "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_tiled_linear("
+    assert all(call in text and '"optimum_neuronx::tiled_linear"' not in text
+               for name, text in wrappers.items() if "context" in name)
+    assert all(call not in text for name, text in wrappers.items() if "token" in name)
 
     # prompts of 9 and 14 tokens, 44 new tokens: through the 16-token context graph, then token buckets 32 and 64
     input_ids, attention_mask = (t[1:] for t in left_padded_batch)

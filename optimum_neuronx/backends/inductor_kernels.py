@@ -30,6 +30,9 @@ DECODE_ATTENTION = "decode_attention.cpp"  # spliced after rows_matvec.cpp, whos
 DECODE_ATTENTION_DECLARATION = ('"C" AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle, AtenTensorHandle, '
                                 "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, "
                                 "AtenTensorHandle, AtenTensorHandle*)")
+# tiled_linear's function (prefill over tiled weights) is defined in rows_matvec.cpp too.
+TILED_LINEAR_DECLARATION = ('"C" AOTITorchError aoti_torch_cpu_tiled_linear(AtenTensorHandle, AtenTensorHandle, '
+                            "AtenTensorHandle*, AtenTensorHandle*)")
 
 
 def kernel_source(name: str) -> str:
@@ -179,7 +182,8 @@ def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items())
     source += "".join(kernel_source(name) for name in names)
     source = '"C++" {\n' + source + "".join(f"\n#undef {name}" for name in defines) + "\n}"
-    shims = {torch.ops.optimum_neuronx.rows_matvec.default: [source]}
+    shims = {torch.ops.optimum_neuronx.rows_matvec.default: [source],
+             torch.ops.optimum_neuronx.tiled_linear.default: [TILED_LINEAR_DECLARATION]}
     if attention:
         shims[torch.ops.optimum_neuronx.decode_attention.default] = [DECODE_ATTENTION_DECLARATION]
     return {"aot_inductor.custom_ops_to_c_shims": shims}

@@ -66,12 +66,13 @@ TILED_LINEAR_COPY_BYTES = 16 << 20
 
 @torch.library.custom_op("optimum_neuronx::tiled_linear", mutates_args=())
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """`F.linear` of x [R, K] with a tiled weight [N / T, K, T] -> [R, N], for many rows (prefill): oneDNN's linear,
-    on the weight copied back to rows when small (TILED_LINEAR_COPY_BYTES), else once per tile, which reads the tile
-    [K, T] as the transposed weight [T, K] it is, no copy.
+    """`F.linear` of x [R, K] with a float32 weight in tiles [N / T, K, T] -> [R, N], for many rows (prefill).
 
-    Opaque to Inductor, like `onednn_linear`: AOTInductor calls it through the dispatcher (this module registers it
-    wherever a graph is loaded). Without oneDNN: one batched matrix product over the tiles.
+    The inductor backend compiles its own kernel for it (backends/kernels/rows_matvec.cpp, `tiled_gemm`: each tile
+    stays in cache while every row of x passes over it), as fast as oneDNN's linear on the plain weight. Eager (and
+    where a graph calls it through the dispatcher): oneDNN's linear on the weight copied back to rows when small
+    (TILED_LINEAR_COPY_BYTES), else once per tile, which reads the tile [K, T] as the transposed weight [T, K] it is;
+    without oneDNN, one batched matrix product over the tiles.
     """
     if not torch.backends.mkldnn.is_available() or x.dtype != torch.float32:
         out = _tiled_linear(x, weight)
@@ -88,7 +89,13 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 @tiled_linear.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight_outputs(weight))
+    outputs = weight_outputs(weight) if weight.dim() == 3 else -1
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype or (
+            bias is not None and (tuple(bias.shape) != (outputs,) or bias.dtype != x.dtype)):
+        raise ValueError(f"tiled_linear takes x [R, K], tiles [N / T, K, T] and a bias [N] or None, of one dtype; got "
+                         f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} and "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)}")
+    return x.new_empty(x.shape[0], outputs)
 
 
 @torch.library.custom_op("optimum_neuronx::decode_attention", mutates_args=())
