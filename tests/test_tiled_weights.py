@@ -115,10 +115,10 @@ def test_kernel_reads_tiles_as_linear_does(tiled_package, threads):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
-def test_lowering_tiles_float32_batches_of_several_rows_where_tuned(monkeypatch):
+def test_lowering_tiles_float32_decode_batches_where_tuned(monkeypatch):
     _avx512_kernel()
     monkeypatch.setattr(inductor, "FLOAT32_WEIGHT_TILE", {inductor_kernels.cpu_identity(): 32})
-    assert [BACKEND.lowering(torch.float32, batch_size=b).weight_tile for b in (1, 2, 4)] == [0, 32, 32]
+    assert [BACKEND.lowering(torch.float32, batch_size=b).weight_tile for b in (1, 2, 4)] == [32, 32, 32]
     assert BACKEND.lowering(torch.float32, batch_size=5).weight_tile == 0  # oneDNN's packed weights past 4 rows
     assert BACKEND.lowering(torch.bfloat16, batch_size=1).weight_tile == 0
     monkeypatch.setattr(inductor, "FLOAT32_WEIGHT_TILE", {})

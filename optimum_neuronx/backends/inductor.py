@@ -56,14 +56,15 @@ DOT_KERNEL_MIN_BATCH = {"avx512_bf16": 1, "avx512": 1, "avx2": 2}
 # 2 KiB, 8192 inputs streamed as fast as 2048). docs/performance.md.
 ONE_ROW_DOT_WIDTH = {("AuthenticAMD", 26): {torch.bfloat16: 4096}}
 # The tile float32 projection weights are stored in (Lowering.weight_tile, ops.py) per CPU (vendor, family) where
-# measured, else plain, for batches of several rows that the dot kernel's AVX-512 variant takes whole (2 ..
-# DOT_KERNEL_ROWS). Zen 5 (AMD family 26): plain rows held one core to ~28.5 GB/s at 4 rows of x (blocks of 4 weight
-# rows, ~0.69x a plain read: 4 multiply-adds and a load of x per weight line, 4 streams); tiles of 32 outputs, the
-# rows of x broadcast input by input, streamed 39.4 GB/s, a plain read's rate (C harness, one thread, 256 MiB of
-# weights; tiles of 64 alike, of 16 ~37), and the 1.1B shape's batch-4 token graph ran 1.39x faster with the CPUs
-# apart and 1.15x near. Batch 1 stays plain: its token graph ran only 1.04x faster in tiles (1.1B shape, apart;
-# SmolLM2 1.007x near) while its prefill, oneDNN per tile or on the tiles copied back to rows, took 1.4x (128
-# tokens) and 1.09x (512) the time: a net loss below ~100 new tokens. docs/performance.md, "Float32 weights in tiles".
+# measured, else plain, for decode batches the dot kernel's AVX-512 variant takes whole (1 .. DOT_KERNEL_ROWS).
+# Zen 5 (AMD family 26): plain rows held one core to ~28.5 GB/s at 4 rows of x (blocks of 4 weight rows, ~0.69x a
+# plain read: 4 multiply-adds and a load of x per weight line, 4 streams); tiles of 32 outputs, the rows of x
+# broadcast input by input, streamed 39.4 GB/s, a plain read's rate (C harness, one thread, 256 MiB of weights; tiles
+# of 64 alike, of 16 ~37), and the 1.1B shape's batch-4 token graph ran 1.39x faster with the CPUs apart and 1.15x
+# near; at batch 1 1.03-1.04x apart (SmolLM2 1.03x), ~1.0x near. Prefill reads the tiles through our own kernel
+# (tiled_linear), as fast as oneDNN on plain rows or faster: 128-token TTFT at batch 1 1.11x (1.1B shape) and 1.20x
+# (SmolLM2) faster than plain rows, at batch 4 1.05x and 1.14x (docs/performance.md, "Float32 weights in tiles",
+# "Prefill over tiles").
 FLOAT32_WEIGHT_TILE = {("AuthenticAMD", 26): 32}
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
@@ -130,7 +131,7 @@ class InductorBackend(Backend):
         attention_kernel = bool(isa)
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
         widths = ONE_ROW_DOT_WIDTH.get(inductor_kernels.cpu_identity(), {}) if isa.startswith("avx512") else {}
-        tiled = dtype == torch.float32 and isa == "avx512" and 1 < batch_size <= dot_rows
+        tiled = dtype == torch.float32 and isa == "avx512" and batch_size <= dot_rows
         return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "",
                         dot_one_row_width=widths.get(dtype, 0) if dot_rows else 0, matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
