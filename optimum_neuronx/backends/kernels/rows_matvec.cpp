@@ -944,39 +944,54 @@ bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_dat
 
 #undef OPTIMUM_NEURONX_DOT_TARGET
 
+namespace optimum_neuronx_shims {
+
+// A tensor's dim, dtype, sizes, strides and data, as the C shim API gives them.
+struct Operand {
+  int64_t dim, *sizes, *strides;
+  int32_t dtype;
+  void* data;
+  explicit Operand(AtenTensorHandle tensor) {
+    aoti_torch_get_dim(tensor, &dim);
+    aoti_torch_get_dtype(tensor, &dtype);
+    aoti_torch_get_sizes(tensor, &sizes);
+    aoti_torch_get_strides(tensor, &strides);
+    aoti_torch_get_data_ptr(tensor, &data);
+  }
+};
+
+// The outputs of a weight the kernels stream row by row (tile by tile) against k inputs: dense [n_out, k], or tiles
+// [n_out / T, k, T] with T of 16, 32 or 64 (graph constants are dense); -1 for any other weight.
+inline int64_t streamed_outputs(const Operand& weight, int64_t k) {
+  const bool tiled = weight.dim == 3;
+  const int64_t tile = tiled ? weight.sizes[2] : 1;
+  const bool tile_ok = !tiled || (weight.strides[2] == 1 && (tile == 16 || tile == 32 || tile == 64));
+  if ((weight.dim != 2 && !tiled) || weight.sizes[1] != k || (weight.sizes[0] > 1 && weight.strides[0] != k * tile) ||
+      (k > 1 && weight.strides[1] != tile) || !tile_ok)
+    return -1;
+  return weight.sizes[0] * tile;
+}
+
+}  // namespace optimum_neuronx_shims
+
 // AOTInductor's C shim for the op: named aoti_torch_cpu_<op name>, called directly by the graph's wrapper.
 extern "C" AOTITorchError aoti_torch_cpu_rows_matvec(AtenTensorHandle x, AtenTensorHandle weight,
                                                      AtenTensorHandle* ret0) {
   namespace kernels = optimum_neuronx_kernels;
-  int64_t x_dim, w_dim, *x_sizes, *x_strides, *w_sizes, *w_strides;
-  int32_t x_dtype, w_dtype;
-  void *x_data, *w_data, *y_data;
-  aoti_torch_get_dim(x, &x_dim);
-  aoti_torch_get_dim(weight, &w_dim);
-  aoti_torch_get_dtype(x, &x_dtype);
-  aoti_torch_get_dtype(weight, &w_dtype);
-  const bool bf16 = x_dtype == aoti_torch_dtype_bfloat16(), f32 = x_dtype == aoti_torch_dtype_float32();
-  const bool tiled = w_dim == 3;  // float32 tiles [n_out / T, k, T] (AVX-512, T of 16, 32 or 64)
-  if (x_dim != 2 || !(w_dim == 2 || (tiled && f32)) || !(bf16 || f32) || w_dtype != x_dtype) return AOTI_TORCH_FAILURE;
-  aoti_torch_get_sizes(x, &x_sizes);
-  aoti_torch_get_strides(x, &x_strides);
-  aoti_torch_get_sizes(weight, &w_sizes);
-  aoti_torch_get_strides(weight, &w_strides);
-  const int64_t rows = x_sizes[0], k = x_sizes[1], tile = tiled ? w_sizes[2] : 1, n_out = w_sizes[0] * tile;
-  // The weight is streamed row by row (tile by tile): it must be dense [n_out, k] or [n_out / T, k, T] (graph
-  // constants are).
-  if (w_sizes[1] != k || (w_sizes[0] > 1 && w_strides[0] != k * tile) || (k > 1 && w_strides[1] != tile) ||
-      (tiled && (w_strides[2] != 1 || (tile != 16 && tile != 32 && tile != 64))))
-    return AOTI_TORCH_FAILURE;
+  const optimum_neuronx_shims::Operand xs(x), ws(weight);
+  const bool bf16 = xs.dtype == aoti_torch_dtype_bfloat16(), f32 = xs.dtype == aoti_torch_dtype_float32();
+  const bool tiled = ws.dim == 3;  // float32 tiles [n_out / T, k, T] (AVX-512, T of 16, 32 or 64)
+  if (xs.dim != 2 || (tiled && !f32) || !(bf16 || f32) || ws.dtype != xs.dtype) return AOTI_TORCH_FAILURE;
+  const int64_t rows = xs.sizes[0], k = xs.sizes[1], n_out = optimum_neuronx_shims::streamed_outputs(ws, k);
+  if (n_out < 0) return AOTI_TORCH_FAILURE;
 #if !OPTIMUM_NEURONX_DOT_AVX512
   if (tiled) return AOTI_TORCH_FAILURE;
 #endif
   const int64_t sizes[2] = {rows, n_out}, strides[2] = {n_out, 1};
-  AOTITorchError status = aoti_torch_empty_strided(2, sizes, strides, x_dtype, aoti_torch_device_type_cpu(), 0, ret0);
+  AOTITorchError status = aoti_torch_empty_strided(2, sizes, strides, xs.dtype, aoti_torch_device_type_cpu(), 0, ret0);
   if (status != AOTI_TORCH_SUCCESS) return status;
   if (rows == 0 || n_out == 0) return AOTI_TORCH_SUCCESS;
-  aoti_torch_get_data_ptr(x, &x_data);
-  aoti_torch_get_data_ptr(weight, &w_data);
+  void* y_data;
   aoti_torch_get_data_ptr(*ret0, &y_data);
   if (k == 0) {  // empty sums
     __builtin_memset(y_data, 0, rows * n_out * (bf16 ? sizeof(uint16_t) : sizeof(float)));
@@ -985,15 +1000,16 @@ extern "C" AOTITorchError aoti_torch_cpu_rows_matvec(AtenTensorHandle x, AtenTen
   bool done = false;
   if (tiled) {
 #if OPTIMUM_NEURONX_DOT_AVX512
-    const float *xf = static_cast<const float*>(x_data), *wf = static_cast<const float*>(w_data);
+    const float *xf = static_cast<const float*>(xs.data), *wf = static_cast<const float*>(ws.data);
     float* yf = static_cast<float*>(y_data);
-    done = tile == 16   ? kernels::tiled_matvec<1>(xf, x_strides, wf, rows, k, w_sizes[0], yf)
-           : tile == 32 ? kernels::tiled_matvec<2>(xf, x_strides, wf, rows, k, w_sizes[0], yf)
-                        : kernels::tiled_matvec<4>(xf, x_strides, wf, rows, k, w_sizes[0], yf);
+    const int64_t tile = ws.sizes[2];
+    done = tile == 16   ? kernels::tiled_matvec<1>(xf, xs.strides, wf, rows, k, ws.sizes[0], yf)
+           : tile == 32 ? kernels::tiled_matvec<2>(xf, xs.strides, wf, rows, k, ws.sizes[0], yf)
+                        : kernels::tiled_matvec<4>(xf, xs.strides, wf, rows, k, ws.sizes[0], yf);
 #endif
   } else {
-    done = bf16 ? kernels::rows_matvec<kernels::BFloat16Lines>(x_data, x_strides, w_data, rows, k, n_out, y_data)
-                : kernels::rows_matvec<kernels::Float32Lines>(x_data, x_strides, w_data, rows, k, n_out, y_data);
+    done = bf16 ? kernels::rows_matvec<kernels::BFloat16Lines>(xs.data, xs.strides, ws.data, rows, k, n_out, y_data)
+                : kernels::rows_matvec<kernels::Float32Lines>(xs.data, xs.strides, ws.data, rows, k, n_out, y_data);
   }
   return done ? AOTI_TORCH_SUCCESS : AOTI_TORCH_FAILURE;
 }
@@ -1005,57 +1021,38 @@ extern "C" AOTITorchError aoti_torch_cpu_tiled_linear(AtenTensorHandle x, AtenTe
                                                       AtenTensorHandle* bias, AtenTensorHandle* ret0) {
 #if OPTIMUM_NEURONX_DOT_AVX512
   namespace kernels = optimum_neuronx_kernels;
-  int64_t x_dim, w_dim, *x_sizes, *x_strides, *w_sizes, *w_strides;
-  int32_t x_dtype, w_dtype;
-  void *x_data, *w_data, *y_data;
-  aoti_torch_get_dim(x, &x_dim);
-  aoti_torch_get_dim(weight, &w_dim);
-  aoti_torch_get_dtype(x, &x_dtype);
-  aoti_torch_get_dtype(weight, &w_dtype);
-  if (x_dim != 2 || w_dim != 3 || x_dtype != aoti_torch_dtype_float32() || w_dtype != x_dtype)
+  const optimum_neuronx_shims::Operand xs(x), ws(weight);
+  if (xs.dim != 2 || ws.dim != 3 || xs.dtype != aoti_torch_dtype_float32() || ws.dtype != xs.dtype)
     return AOTI_TORCH_FAILURE;
-  aoti_torch_get_sizes(x, &x_sizes);
-  aoti_torch_get_strides(x, &x_strides);
-  aoti_torch_get_sizes(weight, &w_sizes);
-  aoti_torch_get_strides(weight, &w_strides);
-  const int64_t rows = x_sizes[0], k = x_sizes[1], tile = w_sizes[2], n_tiles = w_sizes[0], n_out = n_tiles * tile;
-  if (w_sizes[1] != k || (n_tiles > 1 && w_strides[0] != k * tile) || (k > 1 && w_strides[1] != tile) ||
-      w_strides[2] != 1 || (tile != 16 && tile != 32 && tile != 64))
-    return AOTI_TORCH_FAILURE;
+  const int64_t rows = xs.sizes[0], k = xs.sizes[1], n_out = optimum_neuronx_shims::streamed_outputs(ws, k);
+  if (n_out < 0) return AOTI_TORCH_FAILURE;
+  const int64_t tile = ws.sizes[2], n_tiles = ws.sizes[0];
   const float* bias_data = nullptr;
   if (bias && *bias) {  // dense float32 [n_out]
-    int64_t b_dim, *b_sizes, *b_strides;
-    int32_t b_dtype;
-    void* b_data;
-    aoti_torch_get_dim(*bias, &b_dim);
-    aoti_torch_get_dtype(*bias, &b_dtype);
-    if (b_dim != 1 || b_dtype != x_dtype) return AOTI_TORCH_FAILURE;
-    aoti_torch_get_sizes(*bias, &b_sizes);
-    aoti_torch_get_strides(*bias, &b_strides);
-    if (b_sizes[0] != n_out || (n_out > 1 && b_strides[0] != 1)) return AOTI_TORCH_FAILURE;
-    aoti_torch_get_data_ptr(*bias, &b_data);
-    bias_data = static_cast<const float*>(b_data);
+    const optimum_neuronx_shims::Operand bs(*bias);
+    if (bs.dim != 1 || bs.dtype != xs.dtype || bs.sizes[0] != n_out || (n_out > 1 && bs.strides[0] != 1))
+      return AOTI_TORCH_FAILURE;
+    bias_data = static_cast<const float*>(bs.data);
   }
   const int64_t sizes[2] = {rows, n_out}, strides[2] = {n_out, 1};
-  AOTITorchError status = aoti_torch_empty_strided(2, sizes, strides, x_dtype, aoti_torch_device_type_cpu(), 0, ret0);
+  AOTITorchError status = aoti_torch_empty_strided(2, sizes, strides, xs.dtype, aoti_torch_device_type_cpu(), 0, ret0);
   if (status != AOTI_TORCH_SUCCESS || rows == 0 || n_out == 0) return status;
-  aoti_torch_get_data_ptr(x, &x_data);
-  aoti_torch_get_data_ptr(weight, &w_data);
+  void* y_data;
   aoti_torch_get_data_ptr(*ret0, &y_data);
   float* y = static_cast<float*>(y_data);
-  const float* xf = static_cast<const float*>(x_data);
+  const float* xf = static_cast<const float*>(xs.data);
   float* packed = nullptr;
-  int64_t x_row = x_strides[0];
+  int64_t x_row = xs.strides[0];
   // The kernel reads each row's inputs contiguously (no inputs: the bias, or zeros, alone)
-  if (k > 0 && (x_strides[1] != 1 || (rows > 1 && x_row < k))) {
+  if (k > 0 && (xs.strides[1] != 1 || (rows > 1 && x_row < k))) {
     packed = static_cast<float*>(std::malloc(rows * k * sizeof(float)));
     if (!packed) return AOTI_TORCH_FAILURE;
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < k; ++i) packed[r * k + i] = xf[r * x_strides[0] + i * x_strides[1]];
+      for (int64_t i = 0; i < k; ++i) packed[r * k + i] = xf[r * xs.strides[0] + i * xs.strides[1]];
     xf = packed;
     x_row = k;
   }
-  const float* tiles = static_cast<const float*>(w_data);
+  const float* tiles = static_cast<const float*>(ws.data);
   if (tile == 16) kernels::tiled_gemm<1>(xf, x_row, tiles, bias_data, rows, k, n_tiles, y);
   else if (tile == 32) kernels::tiled_gemm<2>(xf, x_row, tiles, bias_data, rows, k, n_tiles, y);
   else kernels::tiled_gemm<4>(xf, x_row, tiles, bias_data, rows, k, n_tiles, y);
