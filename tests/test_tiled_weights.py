@@ -1,5 +1,5 @@
 """float32 projection weights stored in tiles [N / T, K, T] (Lowering.weight_tile): the ops, the dot kernel's tiled
-path, and exports that store their weights that way."""
+path (decode), tiled_linear's kernel (prefill), and exports that store their weights that way."""
 
 import json
 import zipfile
