@@ -833,10 +833,10 @@ void tiled_dot_parallel(const float* tiles, const float* x, const int64_t* x_str
 
 // Prefill over float32 tiles (ops.py's tiled_linear): y = x @ W.T for many rows, W in tiles [n_out / T, k, T]. Each
 // thread takes whole tiles (a tile [k, T], 256 KiB at the 1.1B shape's 2048 inputs, stays in L2) and sweeps every
-// row of x over it kGemmRows at a time: per input, V weight lines loaded once for kGemmRows rows, each row's input
-// broadcast into V multiply-adds (kGemmRows x V accumulators). At 512 rows this read the 1.1B shape's projections
-// 0.98-1.05x the time of oneDNN's linear on the plain weight, where oneDNN on tiles (one call per tile, or copied back
-// to rows) took 1.03-1.65x (C harness against torch in the same minutes; docs/performance.md).
+// row of x over it gemm_rows<V>() at a time (8; 4 at tiles of 64): per input, V weight lines loaded once for those
+// rows, each row's input broadcast into V multiply-adds (rows x V accumulators). At 512 rows this read the 1.1B
+// shape's projections 0.98-1.05x the time of oneDNN's linear on the plain weight, where oneDNN on tiles (one call per
+// tile, or copied back to rows) took 1.03-1.65x (C harness against torch in the same minutes; docs/performance.md).
 template <int V>
 constexpr int gemm_rows() {
   return V >= 4 ? 4 : 8;
@@ -869,7 +869,7 @@ OPTIMUM_NEURONX_DOT_TARGET void tiled_gemm_rows(const float* __restrict tile, co
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + r * n_out + v * 16, acc[r][v]);
 }
 
-// Rows [0, rows) of x over one tile, kGemmRows at a time, then the rest in one smaller block.
+// Rows [0, rows) of x over one tile, R at a time, then what is left in half blocks.
 template <int V, int R = gemm_rows<V>()>
 void tiled_gemm_tile(const float* tile, const float* x, int64_t x_row, int64_t rows, int64_t k, const float* bias,
                      float* y, int64_t n_out) {
