@@ -23,8 +23,9 @@ compiles to its own dot-product kernel; other projections over a handful of rows
 into one streaming reduction over the weight with one accumulator per row; otherwise F.linear, or oneDNN's
 linear, whose weights the runtime may reorder at load into oneDNN's blocked layout (`packed_rows`) - faster at a
 few rows than both of the latter (docs/performance.md). Float32 weights may be stored in tiles (`weight_tile`,
-ops.py), which the dot kernel streams faster at several rows. Packed weights are per-layer tensors that cannot be stacked:
-an export that packs keeps one `DecoderLayer` per layer and unrolls them (`Lowering.stacked_layers`).
+ops.py), which the dot kernel streams faster at decode and `tiled_linear` reads at prefill. Packed weights are
+per-layer tensors that cannot be stacked: an export that packs keeps one `DecoderLayer` per layer and unrolls them
+(`Lowering.stacked_layers`).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], outputs)
-    if tiled:  # past the dot kernel's rows: oneDNN on the tiles (prefill)
+    if tiled:  # past the dot kernel's rows (prefill): tiled_linear, whose kernel reads the tiles as they lie
         if rows <= lowering.matvec_rows:
             raise ValueError(f"a tiled weight needs the dot kernel for {rows} rows (Lowering.dot_rows "
                              f"{lowering.dot_rows}): raise dot_rows or keep the weights plain (weight_tile 0)")
