@@ -172,12 +172,13 @@ class KernelNames:
 
 
 def short_kernel_name(symbol: str) -> str:
-    """`dot_rows_parallel<...Float32Lines, 4>._omp_fn.0` -> "rows_matvec fp32 x4" (float32 tiles,
-    `tiled_dot_parallel<4, 2>`: "rows_matvec fp32 tiles x4"); Inductor's `cpp_fused_..._5` -> "inductor 5"; the
-    decode attention -> "decode_attention"."""
+    """`dot_rows_parallel<...Float32Lines, 4>._omp_fn.0` -> "rows_matvec fp32 x4" (tiles,
+    `tiled_dot_parallel<...BFloat16Tiles, 4, 32>`: "rows_matvec bf16 tiles x4"); Inductor's `cpp_fused_..._5` ->
+    "inductor 5"; the decode attention -> "decode_attention"."""
     if "tiled_dot_parallel" in symbol:
-        rows = re.search(r"tiled_dot_parallel<(\d+),", symbol)
-        return f"rows_matvec fp32 tiles x{rows.group(1) if rows else '?'}"
+        rows = re.search(r"Tiles, (\d+),", symbol)
+        dtype = "bf16" if "BFloat16Tiles" in symbol else "fp32"
+        return f"rows_matvec {dtype} tiles x{rows.group(1) if rows else '?'}"
     if "dot_rows_parallel" in symbol:
         rows = re.search(r"Lines, (\d+)>", symbol)
         dtype = "fp32" if "Float32Lines" in symbol else "bf16"

@@ -375,8 +375,10 @@ def test_kernels_are_named_from_the_graphs_symbols(breakdown):
                 "const*) [clone ._omp_fn.0]") == "rows_matvec fp32 x4"
     assert name("bool optimum_neuronx_kernels::dot_rows_parallel<optimum_neuronx_kernels::BFloat16Lines, 1>(unsigned "
                 "short const*)") == "rows_matvec bf16 x1"
-    assert name("void optimum_neuronx_kernels::tiled_dot_parallel<3, 2>(float const*, float const*) [clone "
-                "._omp_fn.0]") == "rows_matvec fp32 tiles x3"
+    assert name("void optimum_neuronx_kernels::tiled_dot_parallel<optimum_neuronx_kernels::Float32Tiles, 3, 32>(float "
+                "const*) [clone ._omp_fn.0]") == "rows_matvec fp32 tiles x3"
+    assert name("void optimum_neuronx_kernels::tiled_dot_parallel<optimum_neuronx_kernels::BFloat16Tiles, 1, 32>("
+                "unsigned short const*) [clone ._omp_fn.0]") == "rows_matvec bf16 tiles x1"
     assert name("cpp_fused__to_copy_add_div_mul_sum_5._omp_fn.0") == "inductor 5"
     assert name("bool optimum_neuronx_kernels::decode_attention<unsigned short>(float const*)") == "decode_attention"
 

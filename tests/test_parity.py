@@ -9,7 +9,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import ARCHITECTURES, build_tiny_checkpoint, left_padded_prompts
+from conftest import ARCHITECTURES, assert_bf16_logits_within_tolerance, build_tiny_checkpoint, left_padded_prompts
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
 
@@ -95,7 +95,7 @@ def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, reference_
     The yardstick is bf16's own rounding noise: Transformers eager in bf16 vs the fp32 reference.
     """
     input_ids, attention_mask = (t[1:] for t in left_padded_batch)  # 2 rows: lengths 9 and 14
-    _assert_bf16_logits_within_tolerance(bf16_llama, tiny_checkpoint, reference_model, input_ids, attention_mask)
+    assert_bf16_logits_within_tolerance(bf16_llama, tiny_checkpoint, reference_model, input_ids, attention_mask)
 
 
 def test_bf16_batch_1_with_wide_rows_through_the_multiply_and_sum(tiny_checkpoint, reference_model,
@@ -110,6 +110,7 @@ def test_bf16_batch_1_with_wide_rows_through_the_multiply_and_sum(tiny_checkpoin
     if not get_backend("inductor").dot_kernel_isa(torch.bfloat16).startswith("avx512"):
         pytest.skip("the one-row width limit is for the AVX-512 kernel, which this CPU lacks")
     monkeypatch.setattr(inductor, "ONE_ROW_DOT_WIDTH", {inductor_kernels.cpu_identity(): {torch.bfloat16: 512}})
+    monkeypatch.setattr(inductor, "WEIGHT_TILE", {})  # plain rows (tiles take every width: test_tiled_weights.py)
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=1,
                                                    sequence_length=32, context_buckets=[16], token_buckets=[32],
                                                    auto_cast_type="bf16", compile_cache=False)
@@ -121,14 +122,19 @@ def test_bf16_batch_1_with_wide_rows_through_the_multiply_and_sum(tiny_checkpoin
     # definition + calls: QKV, O and gate/up in the layer loop, the LM head; not the down projection
     assert wrapper.count("aoti_torch_cpu_rows_matvec(") == 1 + 4
     input_ids, attention_mask = (t[2:] for t in left_padded_batch)  # the 14-token row
-    _assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask)
+    assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask)
 
 
-def test_bf16_logits_within_tolerance_with_heads_of_64(tmp_path, left_padded_batch):
+def test_bf16_logits_within_tolerance_with_heads_of_64(tmp_path, left_padded_batch, monkeypatch):
     # Heads of 64 (SmolLM2's, the 1.1B shape's): with avx512_bf16 decode attention reads the bfloat16 cache with
     # vdpbf16ps against the query rounded to bfloat16 (decode_attention.cpp, DenseRows); the tiny llama's heads of
-    # 16 take the loops that widen each block of rows. 3 query heads per KV head, as SmolLM2.
+    # 16 take the loops that widen each block of rows. 3 query heads per KV head, as SmolLM2. Plain weight rows
+    # here, where the CPU's tuning would tile them (bf16_llama above takes the tuning as it is).
     from transformers import AutoModelForCausalLM
+
+    from optimum_neuronx.backends import inductor
+
+    monkeypatch.setattr(inductor, "WEIGHT_TILE", {})
 
     checkpoint = build_tiny_checkpoint("llama", tmp_path / "heads-of-64", hidden_size=96, head_dim=64,
                                        num_attention_heads=6, num_key_value_heads=2)
@@ -137,28 +143,7 @@ def test_bf16_logits_within_tolerance_with_heads_of_64(tmp_path, left_padded_bat
                                                    compile_cache=False)
     input_ids, attention_mask = (t[1:] for t in left_padded_batch)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    _assert_bf16_logits_within_tolerance(model, lambda _: checkpoint, lambda _: reference, input_ids, attention_mask)
-
-
-def _assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask):
-    from transformers import AutoModelForCausalLM
-
-    eager_bf16 = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.bfloat16).eval()
-    continuation = torch.randint(3, 256, (input_ids.shape[0], 10), generator=torch.Generator().manual_seed(3))
-    full_ids = torch.cat([input_ids, continuation], 1)
-    full_mask = torch.cat([attention_mask, torch.ones_like(continuation)], 1)
-    positions = slice(input_ids.shape[1] - 1, None)
-    with torch.no_grad():
-        fp32 = reference_model("llama")(input_ids=full_ids, attention_mask=full_mask).logits[:, positions]
-        eager = eager_bf16(input_ids=full_ids, attention_mask=full_mask).logits[:, positions].float()
-    first = model(input_ids=input_ids, attention_mask=attention_mask)
-    steps = model(continuation, attention_mask=full_mask, past_key_values=first.past_key_values, logits_to_keep=0)
-    ours = torch.cat([first.logits, steps.logits], 1)
-    ours_error = (ours - fp32).abs().max().item()
-    eager_error = (eager - fp32).abs().max().item()
-    print(f"bf16 vs fp32 reference: max |logit diff| ours {ours_error:.3f}, Transformers eager bf16 {eager_error:.3f}"
-          f" (ours vs eager bf16: {(ours - eager).abs().max().item():.3f}; largest |logit| {fp32.abs().max():.1f})")
-    assert ours_error <= 2 * eager_error + 1e-2
+    assert_bf16_logits_within_tolerance(model, lambda _: checkpoint, lambda _: reference, input_ids, attention_mask)
 
 
 def test_reexport_with_other_sequence_length_does_not_reuse_stale_kernels(compiled_model, tiny_checkpoint,

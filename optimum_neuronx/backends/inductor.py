@@ -55,17 +55,23 @@ DOT_KERNEL_MIN_BATCH = {"avx512_bf16": 1, "avx512": 1, "avx2": 2}
 # kernel's one-row stream slows as x widens past 4096 (the streamed weights evict x from L1: with x confined to
 # 2 KiB, 8192 inputs streamed as fast as 2048). docs/performance.md.
 ONE_ROW_DOT_WIDTH = {("AuthenticAMD", 26): {torch.bfloat16: 4096}}
-# The tile float32 projection weights are stored in (Lowering.weight_tile, ops.py) per CPU (vendor, family) where
-# measured, else plain, for decode batches the dot kernel's AVX-512 variant takes whole (1 .. DOT_KERNEL_ROWS).
-# Zen 5 (AMD family 26): plain rows held one core to ~28.5 GB/s at 4 rows of x (blocks of 4 weight rows, ~0.69x a
-# plain read: 4 multiply-adds and a load of x per weight line, 4 streams); tiles of 32 outputs, the rows of x
-# broadcast input by input, streamed 39.4 GB/s, a plain read's rate (C harness, one thread, 256 MiB of weights; tiles
-# of 64 alike, of 16 ~37), and the 1.1B shape's batch-4 token graph ran 1.39x faster with the CPUs apart and 1.15x
-# near; at batch 1 1.03-1.04x apart (SmolLM2 1.03x), ~1.0x near. Prefill reads the tiles through our own kernel
+# The tile projection weights are stored in (Lowering.weight_tile, ops.py) per CPU (vendor, family) and dtype where
+# measured, else plain, for decode batches the dot kernel's tiled variant (TILED_ISA) takes whole (1 ..
+# DOT_KERNEL_ROWS); tiled, every projection goes through the dot kernel at decode, at any width. Zen 5 (AMD family
+# 26), float32: plain rows held one core to ~28.5 GB/s at 4 rows of x (blocks of 4 weight rows, ~0.69x a plain read:
+# 4 multiply-adds and a load of x per weight line, 4 streams); tiles of 32 outputs, the rows of x broadcast input by
+# input, streamed 39.4 GB/s, a plain read's rate (C harness, one thread, 256 MiB of weights; tiles of 64 alike, of 16
+# ~37), and the 1.1B shape's batch-4 token graph ran 1.39x faster with the CPUs apart and 1.15x near; at batch 1
+# 1.03-1.04x apart (SmolLM2 1.03x), ~1.0x near. bfloat16 (pairs of inputs through vdpbf16ps): the 1.1B shape's
+# token graphs in tiles of 32 against plain rows (its down projection through Inductor's multiply + sum at batch 1)
+# 1.035-1.06x faster at batch 1 with the CPUs apart, 1.03x near, 1.14x at batch 4 apart; tiles of 64 1.02x and 1.13x;
+# SmolLM2 1.03x at batch 1 (near), 0.99-1.00x at batch 4. Prefill reads the tiles through our own kernel
 # (tiled_linear), as fast as oneDNN on plain rows or faster: 128-token TTFT at batch 1 1.11x (1.1B shape) and 1.20x
-# (SmolLM2) faster than plain rows, at batch 4 1.05x and 1.14x (docs/performance.md, "Float32 weights in tiles",
-# "Prefill over tiles").
-FLOAT32_WEIGHT_TILE = {("AuthenticAMD", 26): 32}
+# (SmolLM2) faster than plain rows in both dtypes, at batch 4 1.05x and 1.10-1.14x (docs/performance.md, "Float32
+# weights in tiles", "Prefill over tiles", "bfloat16 weights in tiles").
+WEIGHT_TILE = {("AuthenticAMD", 26): {torch.float32: 32, torch.bfloat16: 32}}
+# The dot kernel variant that reads tiles of each dtype (bfloat16: through avx512_bf16's dot products).
+TILED_ISA = {torch.float32: "avx512", torch.bfloat16: "avx512_bf16"}
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
 
@@ -131,12 +137,14 @@ class InductorBackend(Backend):
         attention_kernel = bool(isa)
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
         widths = ONE_ROW_DOT_WIDTH.get(inductor_kernels.cpu_identity(), {}) if isa.startswith("avx512") else {}
-        tiled = dtype == torch.float32 and isa == "avx512" and batch_size <= dot_rows
+        tile = WEIGHT_TILE.get(inductor_kernels.cpu_identity(), {}).get(dtype, 0)
+        tile = tile if TILED_ISA.get(dtype) == isa and batch_size <= dot_rows else 0
+        # Tiles are read at decode by the dot kernel alone, at every width
         return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "",
-                        dot_one_row_width=widths.get(dtype, 0) if dot_rows else 0, matvec_rows=4,
+                        dot_one_row_width=widths.get(dtype, 0) if dot_rows and not tile else 0, matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
                         attention_kernel=attention_kernel, causal_block=128,
-                        weight_tile=FLOAT32_WEIGHT_TILE.get(inductor_kernels.cpu_identity(), 0) if tiled else 0)
+                        weight_tile=tile)
 
     def dot_kernel_isa(self, dtype: torch.dtype) -> str:
         """The best variant of `rows_matvec`'s kernel this machine can compile and run for `dtype` (a DOT_KERNEL_ISAS

@@ -22,7 +22,7 @@ projections over a handful of rows (decode) as the custom op `rows_matvec` (ops.
 compiles to its own dot-product kernel; other projections over a handful of rows as multiply + sum, which Inductor fuses
 into one streaming reduction over the weight with one accumulator per row; otherwise F.linear, or oneDNN's
 linear, whose weights the runtime may reorder at load into oneDNN's blocked layout (`packed_rows`) - faster at a
-few rows than both of the latter (docs/performance.md). Float32 weights may be stored in tiles (`weight_tile`,
+few rows than both of the latter (docs/performance.md). Projection weights may be stored in tiles (`weight_tile`,
 ops.py), which the dot kernel streams faster at decode and `tiled_linear` reads at prefill. Packed weights are
 per-layer tensors that cannot be stacked: an export that packs keeps one `DecoderLayer` per layer and unrolls them
 (`Lowering.stacked_layers`).

@@ -49,8 +49,8 @@ def _tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("optimum_neuronx::rows_matvec", mutates_args=())
 def rows_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` for a few rows x [R, K] and a dense weight, plain [N, K] or (float32 only) tiled
-    [N / T, K, T] -> [R, N], both bfloat16 or both float32.
+    """`F.linear(x, weight)` for a few rows x [R, K] and a dense weight, plain [N, K] or tiled [N / T, K, T] -> [R, N],
+    both bfloat16 or both float32.
 
     Sums in float32 (bfloat16: rounded once). Meant for decode, where R is the batch: the compiled kernel reads
     each weight row (or tile) once for all rows of x.
@@ -66,15 +66,16 @@ TILED_LINEAR_COPY_BYTES = 16 << 20
 
 @torch.library.custom_op("optimum_neuronx::tiled_linear", mutates_args=())
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """`F.linear` of x [R, K] with a float32 weight in tiles [N / T, K, T] -> [R, N], for many rows (prefill).
+    """`F.linear` of x [R, K] with a weight in tiles [N / T, K, T] -> [R, N], for many rows (prefill).
 
     The inductor backend compiles its own kernel for it (backends/kernels/rows_matvec.cpp, `tiled_gemm`: each tile
     stays in cache while every row of x passes over it), as fast as oneDNN's linear on the plain weight. Eager (and
     where a graph calls it through the dispatcher): oneDNN's linear on the weight copied back to rows when small
     (TILED_LINEAR_COPY_BYTES), else once per tile, which reads the tile [K, T] as the transposed weight [T, K] it is;
-    without oneDNN, one batched matrix product over the tiles.
+    without oneDNN (or its bfloat16), one batched matrix product over the tiles.
     """
-    if not torch.backends.mkldnn.is_available() or x.dtype != torch.float32:
+    if not torch.backends.mkldnn.is_available() or not (
+            x.dtype == torch.float32 or x.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         out = _tiled_linear(x, weight)
         return out if bias is None else out + bias
     if weight.numel() * weight.element_size() <= TILED_LINEAR_COPY_BYTES:
@@ -138,8 +139,6 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype or x.dtype not in ROWS_MATVEC_DTYPES:
         raise ValueError(f"rows_matvec takes two bfloat16 or two float32 tensors; got {x.dtype} and {weight.dtype}")
-    if weight.dim() == 3 and weight.dtype != torch.float32:
-        raise ValueError(f"rows_matvec takes tiled weights in float32 only; got {weight.dtype}")
     return x.new_empty(x.shape[0], weight_outputs(weight))
 
 

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 namespace optimum_neuronx_kernels {
 
@@ -749,7 +750,8 @@ bool dot_rows_parallel(const typename Lines::Element* weight, const typename Lin
         aligned_rows<Lines>(x_data, R, k, x_strides[0], x_strides[1], k_padded, piece);
     if (!x) __atomic_store_n(&failed, true, __ATOMIC_RELAXED);
     if (x)
-      shares.take(n_out, chunk, [&](int64_t begin, int64_t end) {
+      // by value: each thread's copies, not the main thread's stack (tiled_dot_parallel)
+      shares.take(n_out, chunk, [=](int64_t begin, int64_t end) {
         dot_rows<Lines, R>(weight, x, k, k_padded, n_out, begin, end, piece, partial, y);
       });
   }
@@ -757,160 +759,261 @@ bool dot_rows_parallel(const typename Lines::Element* weight, const typename Lin
 }
 
 #if OPTIMUM_NEURONX_DOT_AVX512
-// float32 weights in tiles [n_out / T, k, T] (ops.py's tile_weight; T = 16 V): tile t holds outputs t T .. t T + T - 1
-// input by input, so a pass reads one stream, and each input's T weights (V lines) are multiplied by that input of
-// each row of x, broadcast, into R x V accumulators: per weight line one load and R multiply-adds, no loads of x
-// lines and no sums across lanes. Plain rows at 4 rows of x held a Zen 5 core to ~0.69x a plain read (blocks of 4
-// weight rows: 4 streams, and a line of x loaded per weight line); tiles stream at its rate (docs/performance.md,
-// "Float32 weights in tiles"). Few accumulators (R V <= 8) take two inputs per step into two sets, so that enough
-// multiply-adds are independent. Prefetched ROW_PREFETCH_BYTES ahead in the stream, which runs on into the next tile.
-// Adds inputs i .. i + kUsed - 1 of a tile (each V lines, prefetched kAhead elements ahead) times those inputs of R
-// rows of x into accumulator sets 0 .. kUsed - 1.
-template <int R, int V, int kSets, int kUsed>
-OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_tile_inputs(
-    __m512 (&acc)[kSets][R][V], const float* __restrict tile, const float* __restrict x, int64_t x_row,
-    int64_t x_col, int64_t i) {
-  constexpr int64_t kAhead = OPTIMUM_NEURONX_ROW_PREFETCH_BYTES / sizeof(float);
-  constexpr int kLocality = R == 1 ? OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY;
-#pragma GCC unroll 2
-  for (int u = 0; u < kUsed; ++u) {
-    const float* w = tile + (i + u) * 16 * V;
+// Weights in tiles [n_out / T, k, T] (ops.py's tile_weight): tile t holds outputs t T .. t T + T - 1 input by input,
+// so a pass reads one stream, and each input's T weights are multiplied by that input of each row of x, broadcast,
+// into T / 16 float32 accumulators per row: per weight line one load and R multiply-adds, no loads of x lines and no
+// sums across lanes. Plain rows at 4 rows of x held a Zen 5 core to ~0.69x a plain read (blocks of 4 weight rows: 4
+// streams, and a line of x loaded per weight line); tiles stream at its rate (docs/performance.md, "Float32 weights
+// in tiles"). Decode prefetches ROW_PREFETCH_BYTES ahead in the stream, which runs on into the next tile.
+//
+// A step is one float32 input (Float32Tiles) or two bfloat16 ones (BFloat16Tiles, avx512_bf16): vdpbf16ps multiplies
+// the two bfloat16 of each 32-bit lane by the two of another and adds both products into one float32 lane. bfloat16
+// tiles keep float32's layout (ops.py's tile_weight and untile_weight serve both dtypes): the lines of inputs 2p and
+// 2p + 1 are interleaved as they are loaded (unpacklo/hi_epi16, within 128-bit lanes: `lo` holds the pairs of
+// outputs 8L .. 8L + 3 of each 128-bit lane L, `hi` those of 8L + 4 .. 8L + 7), each row's inputs 2p and 2p + 1 are
+// broadcast as one 32-bit lane, and the sums are put back in order once per tile. An odd last input is paired with
+// zeros. (Kept as pairs, [K / 2, T, 2], the tiles would save the two unpacks per pair of lines but need a layout of
+// their own.) Zen 5, the 1.1B shape's bfloat16 token graphs against plain rows: batch 1 1.035-1.06x faster with the
+// CPUs apart, 1.03x near; batch 4 1.14x apart (docs/performance.md, "bfloat16 weights in tiles").
+struct Float32Tiles {
+  using Element = float;
+  static constexpr int64_t kInputs = 1;  // inputs per step
+  // Rows of x with contiguous inputs (`row` apart): row r's input i.
+  struct X {
+    const float* data;
+    int64_t row;
+    float at(int r, int64_t i) const { return data[r * row + i]; }
+  };
+  // Adds input i's weights (T / 16 lines, prefetched kAhead elements ahead when kAhead > 0) times input i of R rows.
+  template <int R, int T, int64_t kAhead, int kLocality>
+  OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) static inline void add_step(
+      __m512 (&acc)[R][T / 16], const float* __restrict tile, const X& x, int64_t i) {
+    constexpr int V = T / 16;
+    const float* w = tile + i * T;
     __m512 line[V];
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
-      __builtin_prefetch(w + v * 16 + kAhead, 0, kLocality);
+      if (kAhead > 0) __builtin_prefetch(w + v * 16 + kAhead, 0, kLocality);
       line[v] = _mm512_loadu_ps(w + v * 16);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * x_row + (i + u) * x_col]);
+      const __m512 xr = _mm512_set1_ps(x.at(r, i));
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_fmadd_ps(line[v], xr, acc[u][r][v]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(line[v], xr, acc[r][v]);
     }
   }
-}
+  template <int R, int T, int64_t kAhead, int kLocality>
+  static inline void add_last(__m512 (&)[R][T / 16], const float*, const X&, int64_t) {}  // every step is whole
+  // A row's T sums (+ T bias elements, or none) to its outputs.
+  template <int T>
+  OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) static inline void store(
+      const __m512 (&sums)[T / 16], const float* __restrict bias, float* __restrict y) {
+#pragma GCC unroll 4
+    for (int v = 0; v < T / 16; ++v)
+      _mm512_storeu_ps(y + v * 16, bias ? _mm512_add_ps(sums[v], _mm512_loadu_ps(bias + v * 16)) : sums[v]);
+  }
+};
 
-// y[r, t T + j] for tiles t in [first, last) (T = 16 V outputs each, n_out per row of y).
-template <int R, int V>
-OPTIMUM_NEURONX_DOT_TARGET void tiled_dot(const float* __restrict tiles, const float* __restrict x, int64_t x_row,
-                                          int64_t x_col, int64_t k, int64_t first, int64_t last, int64_t n_out,
-                                          float* __restrict y) {
-  constexpr int kSets = R * V <= 8 ? 2 : 1;
+#if OPTIMUM_NEURONX_DOT_BF16_NATIVE
+struct BFloat16Tiles {
+  using Element = uint16_t;
+  static constexpr int64_t kInputs = 2;
+  // Rows of x with contiguous inputs (`row` apart): row r's inputs 2p and 2p + 1 as one 32-bit lane.
+  struct X {
+    const uint16_t* data;
+    int64_t row;
+    uint32_t pair(int r, int64_t p) const {
+      uint32_t both;
+      __builtin_memcpy(&both, data + r * row + 2 * p, sizeof(both));
+      return both;
+    }
+  };
+  // Adds the pair of inputs 2p, 2p + 1 (T / 32 lines each) times those of R rows of x: sums [r][2 v] (`lo`) and
+  // [r][2 v + 1] (`hi`) of the v-th 32 outputs. `second`: the line of input 2p + 1 (false: zeros, no such input).
+  template <int R, int T, int64_t kAhead, int kLocality, bool kSecond = true>
+  OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) static inline void add_step(
+      __m512 (&acc)[R][T / 16], const uint16_t* __restrict tile, const X& x, int64_t p) {
+    constexpr int V = T / 32;
+    const uint16_t* w = tile + 2 * p * T;
+    __m512bh lo[V], hi[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {
+      if (kAhead > 0) {
+        __builtin_prefetch(w + v * 32 + kAhead, 0, kLocality);
+        if (kSecond) __builtin_prefetch(w + T + v * 32 + kAhead, 0, kLocality);
+      }
+      const __m512i first = _mm512_loadu_si512(w + v * 32);
+      const __m512i second = kSecond ? _mm512_loadu_si512(w + T + v * 32) : _mm512_setzero_si512();
+      lo[v] = (__m512bh)_mm512_unpacklo_epi16(first, second);
+      hi[v] = (__m512bh)_mm512_unpackhi_epi16(first, second);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint32_t both = kSecond ? x.pair(r, p) : x.data[r * x.row + 2 * p];
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        acc[r][2 * v] = _mm512_dpbf16_ps(acc[r][2 * v], lo[v], xr);
+        acc[r][2 * v + 1] = _mm512_dpbf16_ps(acc[r][2 * v + 1], hi[v], xr);
+      }
+    }
+  }
+  // After k / 2 steps: an odd last input, paired with zeros.
+  template <int R, int T, int64_t kAhead, int kLocality>
+  OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) static inline void add_last(
+      __m512 (&acc)[R][T / 16], const uint16_t* __restrict tile, const X& x, int64_t k) {
+    if (k % 2) add_step<R, T, 0, kLocality, false>(acc, tile, x, k / 2);
+  }
+  // A row's T sums, lo/hi as add_step leaves them, back in order (+ T bias elements, or none), rounded to nearest even.
+  template <int T>
+  OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) static inline void store(
+      const __m512 (&sums)[T / 16], const uint16_t* __restrict bias, uint16_t* __restrict y) {
+    // outputs 0-15 of 32: lo's lanes 0-3, hi's 0-3, lo's 4-7, hi's 4-7; outputs 16-31: lanes 8-11, then 12-15
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+#pragma GCC unroll 2
+    for (int v = 0; v < T / 32; ++v) {
+      __m512 low = _mm512_permutex2var_ps(sums[2 * v], first, sums[2 * v + 1]);
+      __m512 high = _mm512_permutex2var_ps(sums[2 * v], second, sums[2 * v + 1]);
+      if (bias) {  // widened: a bfloat16 is a float32's upper half
+        const __m512i b = _mm512_loadu_si512(bias + v * 32);
+        const __m512i first_bias = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(b));
+        const __m512i second_bias = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1));
+        low = _mm512_add_ps(low, _mm512_castsi512_ps(_mm512_slli_epi32(first_bias, 16)));
+        high = _mm512_add_ps(high, _mm512_castsi512_ps(_mm512_slli_epi32(second_bias, 16)));
+      }
+      _mm512_storeu_si512(y + v * 32, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+  }
+};
+#endif
+
+// y[r, t T + j] for tiles t in [first, last) (n_out per row of y): R rows of x, each tile's steps prefetched.
+// Few accumulators (R T / 16 <= 8) take two steps at a time into two sets, so that enough multiply-adds are
+// independent.
+template <typename Tiles, int R, int T>
+OPTIMUM_NEURONX_DOT_TARGET void tiled_dot(const typename Tiles::Element* __restrict tiles, const typename Tiles::X x,
+                                          int64_t k, int64_t first, int64_t last, int64_t n_out,
+                                          typename Tiles::Element* __restrict y) {
+  constexpr int S = T / 16, kSets = R * S <= 8 ? 2 : 1;
+  constexpr int64_t kAhead = OPTIMUM_NEURONX_ROW_PREFETCH_BYTES / sizeof(typename Tiles::Element);
+  constexpr int kLocality = R == 1 ? OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY;
+  const int64_t steps = k / Tiles::kInputs;
   for (int64_t t = first; t < last; ++t) {
-    const float* tile = tiles + t * k * 16 * V;
-    __m512 acc[kSets][R][V];
+    const typename Tiles::Element* tile = tiles + t * k * T;
+    __m512 acc[kSets][R][S];
 #pragma GCC unroll 2
     for (int u = 0; u < kSets; ++u)
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) acc[u][r][v] = _mm512_setzero_ps();
+        for (int s = 0; s < S; ++s) acc[u][r][s] = _mm512_setzero_ps();
     int64_t i = 0;
-    for (; i + kSets <= k; i += kSets) add_tile_inputs<R, V, kSets, kSets>(acc, tile, x, x_row, x_col, i);
-    for (; i < k; ++i) add_tile_inputs<R, V, kSets, 1>(acc, tile, x, x_row, x_col, i);
+    for (; i + kSets <= steps; i += kSets)
+#pragma GCC unroll 2
+      for (int u = 0; u < kSets; ++u) Tiles::template add_step<R, T, kAhead, kLocality>(acc[u], tile, x, i + u);
+    for (; i < steps; ++i) Tiles::template add_step<R, T, kAhead, kLocality>(acc[0], tile, x, i);
+    Tiles::template add_last<R, T, kAhead, kLocality>(acc[0], tile, x, k);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      if (kSets > 1)
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) {
-        __m512 sum = acc[0][r][v];
-        if (kSets > 1) sum = _mm512_add_ps(sum, acc[kSets - 1][r][v]);
-        _mm512_storeu_ps(y + r * n_out + t * 16 * V + v * 16, sum);
-      }
+        for (int s = 0; s < S; ++s) acc[0][r][s] = _mm512_add_ps(acc[0][r][s], acc[kSets - 1][r][s]);
+      Tiles::template store<T>(acc[0][r], nullptr, y + r * n_out + t * T);
+    }
   }
 }
 
-template <int R, int V>
-void tiled_dot_parallel(const float* tiles, const float* x, const int64_t* x_strides, int64_t k, int64_t n_tiles,
-                        float* y) {
+template <typename Tiles, int R, int T>
+void tiled_dot_parallel(const typename Tiles::Element* tiles, const typename Tiles::X x, int64_t k, int64_t n_tiles,
+                        typename Tiles::Element* y) {
   Shares shares(n_tiles);
-  const int64_t tile_bytes = k * 16 * V * int64_t(sizeof(float));
+  const int64_t tile_bytes = k * T * int64_t(sizeof(typename Tiles::Element));
   const int64_t chunk = kChunkBytes / tile_bytes > 1 ? kChunkBytes / tile_bytes : 1;
+  // x's description copied to each thread's own stack, read there at every tile: read through a reference to the
+  // main thread's stack (lines it writes as it runs its own chunks), the 1.1B shape's float32 batch-1 token graph
+  // took 1.03x the time with the CPUs apart (16 rounds, 15 slower)
 #pragma omp parallel
-  shares.take(n_tiles, chunk, [&](int64_t begin, int64_t end) {
-    tiled_dot<R, V>(tiles, x, x_strides[0], x_strides[1], k, begin, end, n_tiles * 16 * V, y);
+  shares.take(n_tiles, chunk, [&, own = x](int64_t begin, int64_t end) {
+    tiled_dot<Tiles, R, T>(tiles, own, k, begin, end, n_tiles * T, y);
   });
 }
 
-// Prefill over float32 tiles (ops.py's tiled_linear): y = x @ W.T for many rows, W in tiles [n_out / T, k, T]. Each
-// thread takes whole tiles (a tile [k, T], 256 KiB at the 1.1B shape's 2048 inputs, stays in L2) and sweeps every
-// row of x over it gemm_rows<V>() at a time (8; 4 at tiles of 64): per input, V weight lines loaded once for those
-// rows, each row's input broadcast into V multiply-adds (rows x V accumulators). At 512 rows this read the 1.1B
-// shape's projections 0.98-1.05x the time of oneDNN's linear on the plain weight, where oneDNN on tiles (one call per
-// tile, or copied back to rows) took 1.03-1.65x (C harness against torch in the same minutes; docs/performance.md).
-template <int V>
-constexpr int gemm_rows() {
-  return V >= 4 ? 4 : 8;
-}
-
-// Rows [0, R) of x (x_row apart) over one tile, its T = 16 V outputs starting from `bias` (T of them, or zeros).
-template <int R, int V>
-OPTIMUM_NEURONX_DOT_TARGET void tiled_gemm_rows(const float* __restrict tile, const float* __restrict x, int64_t x_row,
-                                                int64_t k, const float* __restrict bias, float* __restrict y,
-                                                int64_t n_out) {
-  __m512 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[r][v] = bias ? _mm512_loadu_ps(bias + v * 16) : _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
-    __m512 line[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) line[v] = _mm512_loadu_ps(tile + i * 16 * V + v * 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * x_row + i]);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(line[v], xr, acc[r][v]);
+// y = x @ the tiles' weight.T for any number of rows of x (in chunks of kMaxRows).
+template <typename Tiles, int T>
+void tiled_matvec(const typename Tiles::X& x, const typename Tiles::Element* tiles, int64_t rows, int64_t k,
+                  int64_t n_tiles, typename Tiles::Element* y) {
+  for (int64_t first = 0; first < rows; first += kMaxRows) {
+    const int64_t count = rows - first < kMaxRows ? rows - first : kMaxRows;
+    typename Tiles::X x_rows = x;
+    x_rows.data += first * x.row;
+    typename Tiles::Element* y_rows = y + first * n_tiles * T;
+    switch (count) {
+      case 1: tiled_dot_parallel<Tiles, 1, T>(tiles, x_rows, k, n_tiles, y_rows); break;
+      case 2: tiled_dot_parallel<Tiles, 2, T>(tiles, x_rows, k, n_tiles, y_rows); break;
+      case 3: tiled_dot_parallel<Tiles, 3, T>(tiles, x_rows, k, n_tiles, y_rows); break;
+      default: tiled_dot_parallel<Tiles, 4, T>(tiles, x_rows, k, n_tiles, y_rows); break;
     }
   }
+}
+
+// Prefill over tiles (ops.py's tiled_linear): y = x @ W.T for many rows. Each thread takes whole tiles (a tile [k, T],
+// 256 KiB at the 1.1B shape's 2048 inputs and float32 tiles of 32, stays in L2) and sweeps every row of x over it
+// gemm_rows<T>() at a time (16 accumulators: 8 rows at 2 a row, 4 at 4): per step, the tile's lines loaded once for
+// those rows, each row's input(s) broadcast. At 512 rows this read the 1.1B shape's projections 0.98-1.05x the time
+// of oneDNN's linear on the plain weight in float32, 0.91-0.94x in bfloat16, where oneDNN on tiles (one call per
+// tile, or copied back to rows) took 1.03-1.65x (C harness against torch in the same minutes; docs/performance.md).
+template <int T>
+constexpr int gemm_rows() {
+  return T / 16 >= 4 ? 4 : 8;
+}
+
+// Rows [0, R) of x over one tile, its T outputs from `bias` (T of them, or none).
+template <typename Tiles, int R, int T>
+OPTIMUM_NEURONX_DOT_TARGET void tiled_gemm_rows(const typename Tiles::Element* __restrict tile,
+                                                const typename Tiles::X& x, int64_t k,
+                                                const typename Tiles::Element* __restrict bias,
+                                                typename Tiles::Element* __restrict y, int64_t n_out) {
+  constexpr int S = T / 16;
+  __m512 acc[R][S];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + r * n_out + v * 16, acc[r][v]);
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
+  const int64_t steps = k / Tiles::kInputs;
+  for (int64_t i = 0; i < steps; ++i) Tiles::template add_step<R, T, 0, 0>(acc, tile, x, i);
+  Tiles::template add_last<R, T, 0, 0>(acc, tile, x, k);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) Tiles::template store<T>(acc[r], bias, y + r * n_out);
 }
 
 // Rows [0, rows) of x over one tile, R at a time, then what is left in half blocks.
-template <int V, int R = gemm_rows<V>()>
-void tiled_gemm_tile(const float* tile, const float* x, int64_t x_row, int64_t rows, int64_t k, const float* bias,
-                     float* y, int64_t n_out) {
+template <typename Tiles, int T, int R = gemm_rows<T>()>
+void tiled_gemm_tile(const typename Tiles::Element* tile, typename Tiles::X x, int64_t rows, int64_t k,
+                     const typename Tiles::Element* bias, typename Tiles::Element* y, int64_t n_out) {
   int64_t m = 0;
-  for (; m + R <= rows; m += R) tiled_gemm_rows<R, V>(tile, x + m * x_row, x_row, k, bias, y + m * n_out, n_out);
+  for (; m + R <= rows; m += R, x.data += R * x.row, y += R * n_out)
+    tiled_gemm_rows<Tiles, R, T>(tile, x, k, bias, y, n_out);
   if constexpr (R > 1) {
     if (rows - m >= R / 2) {
-      tiled_gemm_rows<R / 2, V>(tile, x + m * x_row, x_row, k, bias, y + m * n_out, n_out);
+      tiled_gemm_rows<Tiles, R / 2, T>(tile, x, k, bias, y, n_out);
       m += R / 2;
+      x.data += R / 2 * x.row;
+      y += R / 2 * n_out;
     }
-    tiled_gemm_tile<V, R / 2>(tile, x + m * x_row, x_row, rows - m, k, bias, y + m * n_out, n_out);
+    tiled_gemm_tile<Tiles, T, R / 2>(tile, x, rows - m, k, bias, y, n_out);
   }
 }
 
-// y [rows, n_tiles T] = x [rows, k] (rows x_row apart, inputs contiguous) @ the tiles' weight.T (+ bias, or none).
-template <int V>
-void tiled_gemm(const float* x, int64_t x_row, const float* tiles, const float* bias, int64_t rows, int64_t k,
-                int64_t n_tiles, float* y) {
-  const int64_t n_out = n_tiles * 16 * V;
+// y [rows, n_tiles T] = x [rows, k] @ the tiles' weight.T (+ bias [n_tiles T], or none).
+template <typename Tiles, int T>
+void tiled_gemm(const typename Tiles::X& x, const typename Tiles::Element* tiles, const typename Tiles::Element* bias,
+                int64_t rows, int64_t k, int64_t n_tiles, typename Tiles::Element* y) {
+  const int64_t n_out = n_tiles * T;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t t = 0; t < n_tiles; ++t)
-    tiled_gemm_tile<V>(tiles + t * k * 16 * V, x, x_row, rows, k, bias ? bias + t * 16 * V : nullptr,
-                       y + t * 16 * V, n_out);
-}
-
-// y = x @ the tiles' weight.T for any number of rows (in chunks of kMaxRows) and tiles of 16, 32 or 64 outputs.
-template <int V>
-bool tiled_matvec(const float* x, const int64_t* x_strides, const float* tiles, int64_t rows, int64_t k,
-                  int64_t n_tiles, float* y) {
-  for (int64_t first = 0; first < rows; first += kMaxRows) {
-    const int64_t count = rows - first < kMaxRows ? rows - first : kMaxRows;
-    const float* x_rows = x + first * x_strides[0];
-    float* y_rows = y + first * n_tiles * 16 * V;
-    switch (count) {
-      case 1: tiled_dot_parallel<1, V>(tiles, x_rows, x_strides, k, n_tiles, y_rows); break;
-      case 2: tiled_dot_parallel<2, V>(tiles, x_rows, x_strides, k, n_tiles, y_rows); break;
-      case 3: tiled_dot_parallel<3, V>(tiles, x_rows, x_strides, k, n_tiles, y_rows); break;
-      default: tiled_dot_parallel<4, V>(tiles, x_rows, x_strides, k, n_tiles, y_rows); break;
-    }
-  }
-  return true;
+    tiled_gemm_tile<Tiles, T>(tiles + t * k * T, x, rows, k, bias ? bias + t * T : nullptr, y + t * T, n_out);
 }
 #endif
 
@@ -972,17 +1075,76 @@ inline int64_t streamed_outputs(const Operand& weight, int64_t k) {
   return weight.sizes[0] * tile;
 }
 
+// Whether a tile of T outputs is one the kernels take for this element type: float32 16, 32 or 64 (streamed_outputs);
+// bfloat16 32 or 64 (whole lines), and only through avx512_bf16's dot products.
+inline bool tile_taken(bool bf16, int64_t tile) {
+  return !bf16 || (OPTIMUM_NEURONX_DOT_BF16_NATIVE && tile % 32 == 0);
+}
+
+// x [rows, k] with each row's inputs contiguous, as the tiled kernels read it: x itself where it is (the graphs' x),
+// else a copy (ok false: none could be made). (Inputs a stride apart cost the decode loop a multiply per input.)
+template <typename Element>
+struct ContiguousRows {
+  const Element* data;
+  int64_t row;
+  Element* copy = nullptr;
+  bool ok = true;
+  explicit ContiguousRows(const Operand& x) : data(static_cast<const Element*>(x.data)), row(x.strides[0]) {
+    const int64_t rows = x.sizes[0], k = x.sizes[1];
+    if (k == 0 || (x.strides[1] == 1 && (rows < 2 || row >= k))) return;
+    copy = static_cast<Element*>(std::malloc(rows * k * sizeof(Element)));
+    ok = copy != nullptr;
+    if (!ok) return;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < k; ++i) copy[r * k + i] = data[r * x.strides[0] + i * x.strides[1]];
+    data = copy;
+    row = k;
+  }
+  ~ContiguousRows() { std::free(copy); }
+  ContiguousRows(const ContiguousRows&) = delete;
+  ContiguousRows& operator=(const ContiguousRows&) = delete;
+};
+
+#if OPTIMUM_NEURONX_DOT_AVX512
+// x [rows, k] (ContiguousRows) times a weight in tiles of 16, 32 or 64 outputs (tile_taken) into y [rows, n_tiles
+// tile], with prefill's kernel (tiled_gemm, + a bias or nullptr) or decode's (tiled_matvec, no bias); false where x
+// could not be copied.
+template <typename Tiles>
+bool run_tiles(bool prefill, const Operand& x, const Operand& weight, const typename Tiles::Element* bias,
+               void* y_data) {
+  namespace kernels = optimum_neuronx_kernels;
+  using Element = typename Tiles::Element;
+  const int64_t rows = x.sizes[0], k = x.sizes[1], tile = weight.sizes[2], n_tiles = weight.sizes[0];
+  const Element* tiles = static_cast<const Element*>(weight.data);
+  Element* y = static_cast<Element*>(y_data);
+  const ContiguousRows<Element> contiguous(x);
+  if (!contiguous.ok) return false;
+  const typename Tiles::X xt{contiguous.data, contiguous.row};
+  auto run = [&](auto outputs) {
+    constexpr int T = decltype(outputs)::value;
+    if (prefill) kernels::tiled_gemm<Tiles, T>(xt, tiles, bias, rows, k, n_tiles, y);
+    else kernels::tiled_matvec<Tiles, T>(xt, tiles, rows, k, n_tiles, y);
+  };
+  if (tile == 64) run(std::integral_constant<int, 64>());
+  else if (tile == 32) run(std::integral_constant<int, 32>());
+  else if constexpr (sizeof(Element) == sizeof(float)) run(std::integral_constant<int, 16>());
+  return true;
+}
+#endif
+
 }  // namespace optimum_neuronx_shims
 
 // AOTInductor's C shim for the op: named aoti_torch_cpu_<op name>, called directly by the graph's wrapper.
 extern "C" AOTITorchError aoti_torch_cpu_rows_matvec(AtenTensorHandle x, AtenTensorHandle weight,
                                                      AtenTensorHandle* ret0) {
   namespace kernels = optimum_neuronx_kernels;
-  const optimum_neuronx_shims::Operand xs(x), ws(weight);
+  namespace shims = optimum_neuronx_shims;
+  const shims::Operand xs(x), ws(weight);
   const bool bf16 = xs.dtype == aoti_torch_dtype_bfloat16(), f32 = xs.dtype == aoti_torch_dtype_float32();
-  const bool tiled = ws.dim == 3;  // float32 tiles [n_out / T, k, T] (AVX-512, T of 16, 32 or 64)
-  if (xs.dim != 2 || (tiled && !f32) || !(bf16 || f32) || ws.dtype != xs.dtype) return AOTI_TORCH_FAILURE;
-  const int64_t rows = xs.sizes[0], k = xs.sizes[1], n_out = optimum_neuronx_shims::streamed_outputs(ws, k);
+  const bool tiled = ws.dim == 3;  // tiles [n_out / T, k, T] (AVX-512; bfloat16 with avx512_bf16)
+  if (xs.dim != 2 || !(bf16 || f32) || ws.dtype != xs.dtype || (tiled && !shims::tile_taken(bf16, ws.sizes[2])))
+    return AOTI_TORCH_FAILURE;
+  const int64_t rows = xs.sizes[0], k = xs.sizes[1], n_out = shims::streamed_outputs(ws, k);
   if (n_out < 0) return AOTI_TORCH_FAILURE;
 #if !OPTIMUM_NEURONX_DOT_AVX512
   if (tiled) return AOTI_TORCH_FAILURE;
@@ -1000,12 +1162,10 @@ extern "C" AOTITorchError aoti_torch_cpu_rows_matvec(AtenTensorHandle x, AtenTen
   bool done = false;
   if (tiled) {
 #if OPTIMUM_NEURONX_DOT_AVX512
-    const float *xf = static_cast<const float*>(xs.data), *wf = static_cast<const float*>(ws.data);
-    float* yf = static_cast<float*>(y_data);
-    const int64_t tile = ws.sizes[2];
-    done = tile == 16   ? kernels::tiled_matvec<1>(xf, xs.strides, wf, rows, k, ws.sizes[0], yf)
-           : tile == 32 ? kernels::tiled_matvec<2>(xf, xs.strides, wf, rows, k, ws.sizes[0], yf)
-                        : kernels::tiled_matvec<4>(xf, xs.strides, wf, rows, k, ws.sizes[0], yf);
+#if OPTIMUM_NEURONX_DOT_BF16_NATIVE
+    if (bf16) done = shims::run_tiles<kernels::BFloat16Tiles>(false, xs, ws, nullptr, y_data);
+#endif
+    if (f32) done = shims::run_tiles<kernels::Float32Tiles>(false, xs, ws, nullptr, y_data);
 #endif
   } else {
     done = bf16 ? kernels::rows_matvec<kernels::BFloat16Lines>(xs.data, xs.strides, ws.data, rows, k, n_out, y_data)
@@ -1014,50 +1174,39 @@ extern "C" AOTITorchError aoti_torch_cpu_rows_matvec(AtenTensorHandle x, AtenTen
   return done ? AOTI_TORCH_SUCCESS : AOTI_TORCH_FAILURE;
 }
 
-// The C shim for optimum_neuronx::tiled_linear (prefill over tiled float32 weights, AVX-512): y [rows, n_out] =
-// x [rows, k] @ W.T (+ bias [n_out], or nullptr: None) with W in tiles [n_out / T, k, T] (T of 16, 32 or 64), through
+// The C shim for optimum_neuronx::tiled_linear (prefill over tiled weights, AVX-512; bfloat16 with avx512_bf16):
+// y [rows, n_out] = x [rows, k] @ W.T (+ bias [n_out], or nullptr: None) with W in tiles [n_out / T, k, T], through
 // tiled_gemm.
 extern "C" AOTITorchError aoti_torch_cpu_tiled_linear(AtenTensorHandle x, AtenTensorHandle weight,
                                                       AtenTensorHandle* bias, AtenTensorHandle* ret0) {
 #if OPTIMUM_NEURONX_DOT_AVX512
   namespace kernels = optimum_neuronx_kernels;
-  const optimum_neuronx_shims::Operand xs(x), ws(weight);
-  if (xs.dim != 2 || ws.dim != 3 || xs.dtype != aoti_torch_dtype_float32() || ws.dtype != xs.dtype)
+  namespace shims = optimum_neuronx_shims;
+  const shims::Operand xs(x), ws(weight);
+  const bool bf16 = xs.dtype == aoti_torch_dtype_bfloat16(), f32 = xs.dtype == aoti_torch_dtype_float32();
+  if (xs.dim != 2 || ws.dim != 3 || !(bf16 || f32) || ws.dtype != xs.dtype || !shims::tile_taken(bf16, ws.sizes[2]))
     return AOTI_TORCH_FAILURE;
-  const int64_t rows = xs.sizes[0], k = xs.sizes[1], n_out = optimum_neuronx_shims::streamed_outputs(ws, k);
+  const int64_t rows = xs.sizes[0], k = xs.sizes[1], n_out = shims::streamed_outputs(ws, k);
   if (n_out < 0) return AOTI_TORCH_FAILURE;
-  const int64_t tile = ws.sizes[2], n_tiles = ws.sizes[0];
-  const float* bias_data = nullptr;
-  if (bias && *bias) {  // dense float32 [n_out]
-    const optimum_neuronx_shims::Operand bs(*bias);
+  const void* bias_data = nullptr;
+  if (bias && *bias) {  // dense [n_out], x's dtype
+    const shims::Operand bs(*bias);
     if (bs.dim != 1 || bs.dtype != xs.dtype || bs.sizes[0] != n_out || (n_out > 1 && bs.strides[0] != 1))
       return AOTI_TORCH_FAILURE;
-    bias_data = static_cast<const float*>(bs.data);
+    bias_data = bs.data;
   }
   const int64_t sizes[2] = {rows, n_out}, strides[2] = {n_out, 1};
   AOTITorchError status = aoti_torch_empty_strided(2, sizes, strides, xs.dtype, aoti_torch_device_type_cpu(), 0, ret0);
   if (status != AOTI_TORCH_SUCCESS || rows == 0 || n_out == 0) return status;
   void* y_data;
   aoti_torch_get_data_ptr(*ret0, &y_data);
-  float* y = static_cast<float*>(y_data);
-  const float* xf = static_cast<const float*>(xs.data);
-  float* packed = nullptr;
-  int64_t x_row = xs.strides[0];
-  // The kernel reads each row's inputs contiguously (no inputs: the bias, or zeros, alone)
-  if (k > 0 && (xs.strides[1] != 1 || (rows > 1 && x_row < k))) {
-    packed = static_cast<float*>(std::malloc(rows * k * sizeof(float)));
-    if (!packed) return AOTI_TORCH_FAILURE;
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < k; ++i) packed[r * k + i] = xf[r * xs.strides[0] + i * xs.strides[1]];
-    xf = packed;
-    x_row = k;
-  }
-  const float* tiles = static_cast<const float*>(ws.data);
-  if (tile == 16) kernels::tiled_gemm<1>(xf, x_row, tiles, bias_data, rows, k, n_tiles, y);
-  else if (tile == 32) kernels::tiled_gemm<2>(xf, x_row, tiles, bias_data, rows, k, n_tiles, y);
-  else kernels::tiled_gemm<4>(xf, x_row, tiles, bias_data, rows, k, n_tiles, y);
-  std::free(packed);
-  return AOTI_TORCH_SUCCESS;
+  bool done = false;
+#if OPTIMUM_NEURONX_DOT_BF16_NATIVE
+  if (bf16)
+    done = shims::run_tiles<kernels::BFloat16Tiles>(true, xs, ws, static_cast<const uint16_t*>(bias_data), y_data);
+#endif
+  if (f32) done = shims::run_tiles<kernels::Float32Tiles>(true, xs, ws, static_cast<const float*>(bias_data), y_data);
+  return done ? AOTI_TORCH_SUCCESS : AOTI_TORCH_FAILURE;
 #else
   (void)x;
   (void)weight;
