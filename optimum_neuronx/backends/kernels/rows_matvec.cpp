@@ -830,7 +830,7 @@ struct BFloat16Tiles {
     }
   };
   // Adds the pair of inputs 2p, 2p + 1 (T / 32 lines each) times those of R rows of x: sums [r][2 v] (`lo`) and
-  // [r][2 v + 1] (`hi`) of the v-th 32 outputs. `second`: the line of input 2p + 1 (false: zeros, no such input).
+  // [r][2 v + 1] (`hi`) of the v-th 32 outputs. kSecond: the line of input 2p + 1 (false: zeros, no such input).
   template <int R, int T, int64_t kAhead, int kLocality, bool kSecond = true>
   OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) static inline void add_step(
       __m512 (&acc)[R][T / 16], const uint16_t* __restrict tile, const X& x, int64_t p) {
@@ -960,9 +960,10 @@ void tiled_matvec(const typename Tiles::X& x, const typename Tiles::Element* til
 
 // Prefill over tiles (ops.py's tiled_linear): y = x @ W.T for many rows. Each thread takes whole tiles (a tile [k, T],
 // 256 KiB at the 1.1B shape's 2048 inputs and float32 tiles of 32, stays in L2) and sweeps every row of x over it
-// gemm_rows<T>() at a time (16 accumulators: 8 rows at 2 a row, 4 at 4): per step, the tile's lines loaded once for
-// those rows, each row's input(s) broadcast. At 512 rows this read the 1.1B shape's projections 0.98-1.05x the time
-// of oneDNN's linear on the plain weight in float32, 0.91-0.94x in bfloat16, where oneDNN on tiles (one call per
+// gemm_rows<T>() at a time (at most 16 accumulators: 8 rows at 1 or 2 a row, 4 at 4): per step, the tile's lines
+// loaded once for those rows, each row's input(s) broadcast. At 512 rows this read the 1.1B shape's projections
+// 0.98-1.05x the time of oneDNN's linear on the plain weight in float32, 0.91-0.94x in bfloat16 (the harness's form
+// of this loop; 128-token TTFT 1.05-1.21x faster than plain rows), where oneDNN on tiles (one call per
 // tile, or copied back to rows) took 1.03-1.65x (C harness against torch in the same minutes; docs/performance.md).
 template <int T>
 constexpr int gemm_rows() {
