@@ -1097,7 +1097,7 @@ struct ContiguousRows {
     ok = copy != nullptr;
     if (!ok) return;
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < k; ++i) copy[r * k + i] = data[r * x.strides[0] + i * x.strides[1]];
+      optimum_neuronx_kernels::PlainX::copy_x_row(copy + r * k, data + r * x.strides[0], k, x.strides[1], k);
     data = copy;
     row = k;
   }
