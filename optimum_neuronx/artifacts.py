@@ -22,8 +22,7 @@ from typing import Iterator
 import torch
 
 from .backends import get_backend
-from .backends.base import GraphSpec
-from .configuration import NEURON_CONFIG_NAME, NeuronConfig
+from .configuration import NEURON_CONFIG_NAME, GraphSpec, NeuronConfig
 from .version import ARTIFACT_FORMAT_VERSION, __version__
 
 logger = logging.getLogger(__name__)
@@ -137,10 +136,9 @@ _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat1
 def save_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     """Write `tensors` as a safetensors file whose tensors start on WEIGHTS_ALIGNMENT-byte boundaries.
 
-    Loading maps the file, so a tensor's address modulo 64 is its file offset's. `safetensors.torch.save_file`
-    pads its header to 8 bytes only: SmolLM2's weights all landed 32 bytes into a cache line (the 1.1B shape's
-    16), so every 64-byte load of the dot kernel spanned two lines. Aligned, batch-4 token graphs ran 1.05-1.10x
-    faster in a fast memory phase (docs/performance.md). The format allows spaces after the header's JSON (the
+    Loading maps the file, so a tensor's address modulo 64 is its file offset's; `safetensors.torch.save_file`
+    pads its header to 8 bytes only, and a misaligned weight makes every 64-byte load span two cache lines. The
+    format allows spaces after the header's JSON (the
     library adds them itself) but no gaps between tensors, so tensors whose size is a whole number of lines go
     first, in name order, and the header is padded so that the data starts on a line. Readers are the
     library's own."""
@@ -190,12 +188,10 @@ def load_weights(directory: str | Path, meta: dict, huge_pages: bool = False) ->
 
 
 # Below this share of huge pages the loader asks the kernel for more: a collapse, then, where memory is short, the
-# file's page cache given back first (its folios are the free 2 MiB blocks the collapse needs). A 1.1B fp32 load
-# next to another copy and a full page cache got 93% and ran its small pages ~20% slower (docs/performance.md).
+# file's page cache given back first (its folios are the free 2 MiB blocks the collapse needs).
 HUGE_PAGE_TARGET = 0.98
 # Below this share after that the load logs how much of the copy decode streams from 4 KiB pages. It keeps the
-# copy: the mapped file, whose page cache was just given back, would fault in from storage into small pages (0%
-# PMD-mapped where a load fell back to it, docs/performance.md).
+# copy: the mapped file, whose page cache was just given back, would fault in from storage into small pages.
 MIN_HUGE_PAGE_SHARE = 0.9
 
 
@@ -269,7 +265,7 @@ def _drop_cached(path: str) -> None:
 def _reading_ahead(path: str, chunk_bytes: int = 64 << 20) -> Iterator[None]:
     """Have the kernel read `path` front to back in large requests from a thread while the block runs. Packing
     reads each weight through page faults, in the order the reorder walks it, and waits on each: from storage
-    that is not cached, reading ahead overlaps the disk with the packing (docs/performance.md, reload).
+    that is not cached, reading ahead overlaps the disk with the packing.
 
     Linux reads at most the device's read-ahead window per call (8 MiB on the machine measured), so this asks
     for the start of each chunk, not all of it; asking for all of it, in window-sized calls, loaded slower there."""

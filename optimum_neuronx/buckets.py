@@ -1,26 +1,8 @@
-"""Bucket defaults and selection: pure functions of lengths and bucket lists."""
+"""Bucket selection: which compiled graph serves a prompt or a decode step (defaults: configuration.py)."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
-
-# Smallest default bucket: below this, compiling one more graph costs more than the cache reads it saves.
-MIN_DEFAULT_BUCKET = 128
-
-
-def default_buckets(sequence_length: int) -> tuple[int, ...]:
-    """Powers of two from 128 up to `sequence_length`, plus `sequence_length` itself."""
-    buckets = []
-    size = min(MIN_DEFAULT_BUCKET, sequence_length)
-    while size < sequence_length:
-        buckets.append(size)
-        size *= 2
-    buckets.append(sequence_length)
-    return tuple(buckets)
-
-
-def normalize_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
-    return tuple(sorted(set(int(b) for b in buckets)))
+from typing import Sequence
 
 
 def context_bucket(prompt_length: int, buckets: Sequence[int]) -> int:
@@ -45,3 +27,4 @@ def token_bucket(position: int, buckets: Sequence[int]) -> int:
         f"Cannot write token at position {position}: the compiled sequence_length (KV cache size) is "
         f"{buckets[-1]}. Generate fewer tokens, or re-export with a larger sequence_length."
     )
+

@@ -10,8 +10,6 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .buckets import default_buckets, normalize_buckets
-
 NEURON_CONFIG_NAME = "neuron_config.json"
 
 # Accepted spellings of auto_cast_type -> canonical name.
@@ -22,6 +20,10 @@ DTYPE_ALIASES = {
 }
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+# Smallest default bucket: below this, compiling one more graph costs more than the cache reads it saves.
+MIN_DEFAULT_BUCKET = 128
+# The compiler backends (backends/); backends.get_backend(name) loads one.
+SUPPORTED_BACKENDS = ("inductor",)
 # Tensor-parallel degrees Neuron instances offer (Inf2: 1, 2, 4, 8, 12, 24; Trn1: 1, 2, 8, 32).
 SUPPORTED_TP_DEGREES = (1, 2, 4, 8, 12, 24, 32)
 
@@ -36,6 +38,34 @@ def canonical_dtype(auto_cast_type: Any) -> str:
             f"(aliases: {', '.join(sorted(DTYPE_ALIASES))})."
         )
     return name
+
+
+def default_buckets(sequence_length: int) -> tuple[int, ...]:
+    """Powers of two from 128 up to `sequence_length`, plus `sequence_length` itself."""
+    buckets = []
+    size = min(MIN_DEFAULT_BUCKET, sequence_length)
+    while size < sequence_length:
+        buckets.append(size)
+        size *= 2
+    buckets.append(sequence_length)
+    return tuple(buckets)
+
+
+def normalize_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
+    return tuple(sorted(set(int(b) for b in buckets)))
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One compiled graph: `tokens` new tokens per sequence attending to `window` cache slots."""
+
+    kind: str  # "context" (prefill) or "token" (decode)
+    tokens: int
+    window: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_{self.window}"
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -78,8 +108,6 @@ class NeuronConfig:
             raise ValueError(
                 f"tp_degree (num_cores) {self.tp_degree!r} is not supported; use one of {SUPPORTED_TP_DEGREES}."
             )
-        from .backends import SUPPORTED_BACKENDS  # lazy: backends import torch machinery
-
         if self.backend not in SUPPORTED_BACKENDS:
             raise ValueError(f"Unknown backend {self.backend!r}; supported backends: {', '.join(SUPPORTED_BACKENDS)}.")
         if isinstance(self.compiler_args, str) or not all(isinstance(a, str) for a in self.compiler_args):
@@ -106,6 +134,11 @@ class NeuronConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.auto_cast_type]
+
+    def graphs(self) -> list[GraphSpec]:
+        """Every graph of an export: one context-encoding graph per context bucket, one token graph per token bucket."""
+        contexts = [GraphSpec("context", size, size) for size in self.context_buckets]
+        return contexts + [GraphSpec("token", 1, size) for size in self.token_buckets]
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

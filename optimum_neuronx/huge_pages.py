@@ -1,10 +1,8 @@
 """Host memory in 2 MiB pages (Linux transparent huge pages) for the weights that decode streams.
 
 A memory-mapped export lives in the page cache, whose folios have whatever sizes the writes and the read-ahead
-left: on the machine measured (Zen 5, ext4) 12-20% of a 4 GB export sat in 4 KiB pages, and a matrix-vector
-product over 4 KiB pages streamed ~20% slower in a fast memory phase than over 2 MiB pages. Weights read into
-anonymous memory advised MADV_HUGEPAGE land in 2 MiB pages wherever the kernel allows them, and the 1.1B shape's
-float32 token graph ran 1.05-1.12x faster in fast phases (docs/performance.md, "Weights in huge pages").
+left, part of them 4 KiB pages, which decode streams slower than 2 MiB pages. Weights read into anonymous memory
+advised MADV_HUGEPAGE land in 2 MiB pages wherever the kernel allows them.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from transformers import (
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .artifacts import ArtifactError, atomic_directory, copy_artifact_files, load_weights, read_artifact
-from .backends import GraphSpec, get_backend
+from .backends import get_backend
 from .buckets import context_bucket, token_bucket
-from .configuration import NeuronConfig
+from .configuration import GraphSpec, NeuronConfig
 from .exporters.registry import get_export_config
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
 

@@ -189,3 +189,14 @@ def assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model,
     print(f"bf16 vs fp32 reference: max |logit diff| ours {ours_error:.3f}, Transformers eager bf16 {eager_error:.3f}"
           f" (ours vs eager bf16: {(ours - eager).abs().max().item():.3f}; largest |logit| {fp32.abs().max():.1f})")
     assert ours_error <= 2 * eager_error + 1e-2
+
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def tune(patch, **values):
+    """Override this CPU's entries of the inductor tuning table (kernels/tuning.json) for one test."""
+    from optimum_neuronx.backends.inductor import tuning
+
+    name = tuning.profile_name(tuning.cpu_identity())
+    patch.setitem(tuning.PROFILES, name, {**tuning.PROFILES.get(name, {}), **values})

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from optimum_neuronx.backends import get_backend
-from optimum_neuronx.backends.inductor import X86_FEATURE_PROBES, cpu_has
+from optimum_neuronx.backends.inductor.backend import X86_FEATURE_PROBES, cpu_has
 from optimum_neuronx.modeling.decoder import _additive
-from optimum_neuronx.modeling.ops import decode_attention
+from optimum_neuronx.backends.inductor.ops import decode_attention
 
 BACKEND = get_backend("inductor")
 DTYPES = [torch.bfloat16, torch.float32]
@@ -98,7 +98,7 @@ def _runs_here(isa):
 def attention_package(request, tmp_path_factory):
     from torch._inductor.package import load_package, package_aoti
 
-    from optimum_neuronx.backends.inductor_kernels import c_shim_options
+    from optimum_neuronx.backends.inductor.custom_kernels import c_shim_options
 
     isa, dtype = request.param
     if not _runs_here(isa):
@@ -156,10 +156,10 @@ def test_decode_lowering_uses_the_attention_kernel_where_the_dot_kernel_builds(d
     if not BACKEND.has_dot_kernel(dtype):
         pytest.skip(f"no {dtype} kernels on this machine")
     for batch in (1, 4):
-        lowering = BACKEND.lowering(dtype, batch_size=batch)
+        lowering = BACKEND.kernels(dtype, batch_size=batch)
         assert lowering.attention_kernel and lowering.dot_isa == BACKEND.dot_kernel_isa(dtype)
         assert set(ISA_NEEDS[lowering.dot_isa]) <= set(BACKEND.target(lowering, dtype).split())
-    assert not BACKEND.lowering(torch.float16, batch_size=4).attention_kernel
+    assert not BACKEND.kernels(torch.float16, batch_size=4).attention_kernel
     for probe in {X86_FEATURE_PROBES["avx512"], X86_FEATURE_PROBES["avx2"]}:
         monkeypatch.setattr(torch.cpu, probe, lambda: False)
-    assert not BACKEND.lowering(dtype, batch_size=4).attention_kernel
+    assert not BACKEND.kernels(dtype, batch_size=4).attention_kernel

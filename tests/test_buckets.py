@@ -1,6 +1,7 @@
 import pytest
 
-from optimum_neuronx.buckets import context_bucket, default_buckets, token_bucket
+from optimum_neuronx.buckets import context_bucket, token_bucket
+from optimum_neuronx.configuration import default_buckets
 
 
 @pytest.mark.parametrize("sequence_length, expected", [

@@ -46,7 +46,7 @@ def test_export_prints_plan_and_times_then_verify_passes(cli_export):
 
 
 def test_python_module_entry_point_and_help_matches_docs():
-    result = run(sys.executable, "-m", "optimum_neuronx.exporters", "--help")
+    result = run(sys.executable, "-m", "optimum_neuronx.commands", "--help")
     assert result.returncode == 0
     documented = DOCS.read_text()
     for option in re.findall(r"(--\w+)", result.stdout):

@@ -43,7 +43,7 @@ def test_unknown_field_in_file_is_refused():
 
 
 def test_compiler_args_are_checked_against_inductor_options():
-    from optimum_neuronx.backends.inductor import parse_compiler_args
+    from optimum_neuronx.backends.inductor.backend import parse_compiler_args
 
     assert parse_compiler_args(["max_autotune=false", "aot_inductor.compile_wrapper_opt_level=O0"]) == {
         "max_autotune": False, "aot_inductor.compile_wrapper_opt_level": "O0"}
@@ -56,15 +56,15 @@ def test_compiler_args_are_checked_against_inductor_options():
 def test_graphs_compile_with_our_inductor_options_unless_compiler_args_override(monkeypatch, tmp_path):
     import types
 
-    from optimum_neuronx.backends import inductor
-    from optimum_neuronx.backends.inductor_codegen import MIN_ELEMENTS_PER_THREAD
+    from optimum_neuronx.backends.inductor import backend as inductor
+    from optimum_neuronx.backends.inductor.codegen import MIN_ELEMENTS_PER_THREAD
 
     seen = []
     monkeypatch.setattr(inductor, "compile_workers", lambda graphs: 1)
     monkeypatch.setattr(inductor, "_compile_graph", lambda decoder, inputs, options, build_dir, graph: (
         seen.append(options) or ([], 0.0)))
     monkeypatch.setattr("torch._inductor.package.package_aoti", lambda *args, **kwargs: None)
-    decoder = types.SimpleNamespace(lowering=types.SimpleNamespace(dot_rows=0, dot_isa="avx2", attention_kernel=False))
+    decoder = types.SimpleNamespace(kernels=types.SimpleNamespace(dot_rows=0, dot_isa="avx2", attention_kernel=False))
     graphs = [types.SimpleNamespace(name="token_32")]
     backend = inductor.InductorBackend()
     backend.compile(decoder, graphs, None, tmp_path, [])

@@ -8,7 +8,8 @@ import torch
 from conftest import TINY_COMMON, TINY_CONFIGS
 from optimum_neuronx import NeuronConfig
 from optimum_neuronx.exporters import get_export_config
-from optimum_neuronx.modeling.decoder import Lowering, StaticDecoder
+from optimum_neuronx.backends.inductor.lowering import Lowering
+from optimum_neuronx.modeling.decoder import StaticDecoder
 
 SEQUENCE = 16
 

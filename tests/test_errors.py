@@ -112,6 +112,11 @@ def test_tp_degree_must_divide_heads(tiny_checkpoint):
         NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, num_cores=8, sequence_length=32)
 
 
+def test_tp_degree_needs_a_backend_that_shards(tiny_checkpoint):
+    with pytest.raises(ValueError, match=r"tp_degree \(num_cores\) = 2: the inductor backend does not shard.*num_cores=1"):
+        NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, num_cores=2, sequence_length=32)
+
+
 def test_plain_checkpoint_without_export(tiny_checkpoint):
     with pytest.raises(ArtifactError, match=r"not an exported model.*export=True"):
         NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL))

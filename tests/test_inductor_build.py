@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from optimum_neuronx.backends.inductor_build import compiles_cpp_to_object, objects_compiled_together
+from optimum_neuronx.backends.inductor.build import compiles_cpp_to_object, objects_compiled_together
 
 
 def _builder(name, sources, compile_only=True):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from optimum_neuronx.backends import get_backend
-from optimum_neuronx.backends.inductor import X86_FEATURE_PROBES, cpu_has
-from optimum_neuronx.modeling.decoder import Lowering
-from optimum_neuronx.modeling.ops import rows_matvec
+from optimum_neuronx.backends.inductor.backend import X86_FEATURE_PROBES, cpu_has
+from optimum_neuronx.backends.inductor.lowering import Lowering
+from optimum_neuronx.backends.inductor.ops import rows_matvec
 
 BACKEND = get_backend("inductor")
 DTYPES = [torch.bfloat16, torch.float32]
@@ -62,7 +62,7 @@ def _runs_here(isa, dtype):
 
 PIECES = 4096
 CHUNK_BYTES = 1
-# The AVX-512 float32 kernel as some CPUs are tuned to run it (inductor_kernels.FLOAT32_ROWS_PIECE_BYTES): several
+# The AVX-512 float32 kernel as some CPUs are tuned to run it (tuning.json float32_rows_piece_bytes): several
 # rows of x one weight row at a time, in pieces of at most this many bytes (all rows), which cuts every several-row
 # shape above past 2 KiB (2 x 576 into 3 pieces, 4 x 3300 into 26); the other variants keep its blocks whatever
 # this CPU's tuning says, so both paths run on every AVX-512 host. The avx512_bf16 kernel likewise
@@ -70,12 +70,12 @@ CHUNK_BYTES = 1
 # short rows, which it otherwise takes in blocks; its pieced chunks are the larger ones (kPiecedChunkBytes) where
 # CHUNK_BYTES does not cut them to one block.
 ROWS_PIECES = 2048
-# The AVX-512 kernels keep one row of x with its lines out of order on some CPUs (inductor_kernels.ROW_SWIZZLED_X):
+# The AVX-512 kernels keep one row of x with its lines out of order on some CPUs (tuning.json row_swizzled_x):
 # the avx512_bf16 variants here do, pieces included (one row of 2100 in 2 pieces; one row of 48, 300 and 2100 end in a
 # partial group of 8 lines, the fifth row of 5 x 100 is a chunk of one row), and one more keeps x in order, so both
 # orders run on every host with avx512_bf16. The AVX2 variants have no such option.
 # The AVX-512 float32 kernel as Zen 4 runs it (the variants with ROWS_PIECES): x out of order too, and one row of x
-# longer than ROW_BLOCK_BYTES in blocks of 4 weight rows (inductor_kernels.FLOAT32_ROW_BLOCK_BYTES): one row of 300
+# longer than ROW_BLOCK_BYTES in blocks of 4 weight rows (tuning.json float32_row_block_bytes): one row of 300
 # (40 outputs) and of 2100 (12: a block and 2 single rows in each thread's half) in blocks, of 48 and 100 one weight
 # row at a time; with small chunks, one block per chunk; the one row of 2100 cut into pieces takes no blocks.
 ROW_BLOCK_BYTES = 1024
@@ -94,7 +94,7 @@ VARIANTS += [("avx512_bf16", torch.bfloat16, -1, 0, 0, 0)]
 def kernel_package(request, tmp_path_factory):
     from torch._inductor.package import package_aoti
 
-    from optimum_neuronx.backends import inductor_kernels
+    from optimum_neuronx.backends.inductor import custom_kernels as inductor_kernels
 
     isa, dtype, pieces, rows_pieces, swizzled, row_blocks = request.param
     if not _runs_here(isa, dtype):
@@ -232,30 +232,30 @@ def test_decode_lowering_uses_the_kernel_up_to_four_rows_and_packs_nothing(dtype
         pytest.skip(f"no {dtype} dot kernel on this machine")
     best = next(isa for isa in DOT_ISA if dtype in DOT_ISA[isa] and _runs_here(isa, dtype))
     avx512 = best.startswith("avx512")
-    one_row = BACKEND.lowering(dtype, batch_size=1)  # AVX2: no faster than Inductor's multiply + sum at one row
+    one_row = BACKEND.kernels(dtype, batch_size=1)  # AVX2: no faster than Inductor's multiply + sum at one row
     assert (one_row.dot_rows, one_row.packed_rows) == ((4, 0) if avx512 else (0, 0))
     assert one_row.dot_isa == best  # decode attention's kernel (test_attention_kernel.py) runs at every batch
     for batch in (1, 4) if avx512 else (2, 4):
-        lowering = BACKEND.lowering(dtype, batch_size=batch)
+        lowering = BACKEND.kernels(dtype, batch_size=batch)
         assert lowering.dot_rows == 4 and lowering.for_layers().dot_rows == 4
         assert lowering.packed_rows == 0  # the kernel reads the weights plain: nothing to reorder at load
         assert lowering.uses_dot_kernel(batch, dtype) and not lowering.uses_dot_kernel(batch, torch.float16)
         # the best variant this CPU runs, and the export's target names what it needs
         assert lowering.dot_isa == best
         assert set(DOT_ISA[lowering.dot_isa][dtype]) <= set(BACKEND.target(lowering, dtype).split())
-    wide = BACKEND.lowering(dtype, batch_size=8)
+    wide = BACKEND.kernels(dtype, batch_size=8)
     assert not wide.uses_dot_kernel(8, dtype) and wide.uses_dot_kernel(4, dtype)
     assert wide.packed_rows == (8 if wide.onednn else 0)
     if avx512:  # without avx512_bf16, bfloat16 takes the AVX-512 variant that widens it (float32 always does)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-        widened = BACKEND.lowering(dtype, batch_size=1)
+        widened = BACKEND.kernels(dtype, batch_size=1)
         assert widened.dot_isa == "avx512" and widened.dot_rows == 4
         # the kernel adds nothing to what Inductor's own kernels need (which may name avx512_bf16 on such a CPU)
         assert set(BACKEND.target(widened, dtype).split()) == set(BACKEND.target().split()) | {"avx512"}
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)  # an AVX2 CPU takes the AVX2 variant
-    assert BACKEND.lowering(dtype, batch_size=4).dot_isa == "avx2"
+    assert BACKEND.kernels(dtype, batch_size=4).dot_isa == "avx2"
     monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: False)
-    without = BACKEND.lowering(dtype, batch_size=4)
+    without = BACKEND.kernels(dtype, batch_size=4)
     assert without.dot_rows == 0 and without.packed_rows == (4 if without.onednn else 0)
 
 
@@ -277,7 +277,7 @@ def test_weights_the_kernel_reads_are_never_packed(tied):
             lowering = Lowering(dot_rows=dot_rows, onednn=True, packed_rows=packed_rows, matvec_rows=4)
             with torch.device("meta"):
                 decoder = StaticDecoder(spec, lowering).to(dtype)
-            assert decoder.packable_weight_names() == packed, (dtype, dot_rows, packed_rows)
+            assert BACKEND.packable_weight_names(decoder) == packed, (dtype, dot_rows, packed_rows)
 
 
 @pytest.mark.parametrize("isa, dtype, lacking", [("avx512_bf16", torch.bfloat16, "avx512_bf16"),
@@ -308,17 +308,18 @@ def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa
     ])
 def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows, float32_pieces, bfloat16_pieces,
                                        float32_row_blocks, row_prefetch, swizzled_x, tmp_path, monkeypatch):
-    from optimum_neuronx.backends import inductor_codegen, inductor_kernels
+    from optimum_neuronx.backends.inductor import codegen as inductor_codegen, custom_kernels as inductor_kernels
+    from optimum_neuronx.backends.inductor import tuning as tuning_table
 
     path = tmp_path / "cpuinfo"
     path.write_text(cpuinfo)
-    assert inductor_kernels.cpu_identity(str(path)) == identity
-    monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
+    assert tuning_table.cpu_identity(str(path)) == identity
+    monkeypatch.setattr(tuning_table, "cpu_identity", lambda: identity)
     tuning = {"row_prefetch_locality": one_row, "rows_prefetch_locality": several_rows,
               "float32_rows_piece_bytes": float32_pieces, "bfloat16_rows_piece_bytes": bfloat16_pieces,
               "float32_row_block_bytes": float32_row_blocks,
               "row_prefetch": row_prefetch, "row_swizzled_x": swizzled_x}
-    assert inductor_kernels.kernel_tuning() == tuning
+    assert tuning_table.kernel_tuning() == tuning
     # the kernel is compiled with them, Inductor's row reductions prefetch with the one-row hint, and exports
     # (and their compile-cache keys) carry them all
     shims = inductor_kernels.c_shim_options(4, "avx512")["aot_inductor.custom_ops_to_c_shims"]
@@ -338,19 +339,20 @@ def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows,
 @pytest.mark.parametrize("identity, width", [(("AuthenticAMD", 26), 4096), (("AuthenticAMD", 25), 0), (("", -1), 0)])
 def test_one_row_width_limit_follows_the_cpu(identity, width, monkeypatch):
     # On Zen 5 a single plain bfloat16 row wider than 4096 inputs is Inductor's multiply + sum (faster there than
-    # plain rows through the kernel, see ONE_ROW_DOT_WIDTH); everywhere else, and in float32, and at several rows,
+    # plain rows through the kernel: tuning.json's one_row_dot_width); everywhere else, and in float32, and at several rows,
     # the kernel takes any width. (Tiled weights, Zen 5's own, go through the kernel at any width:
     # test_tiled_weights.py; here the weights stay plain.)
-    from optimum_neuronx.backends import inductor, inductor_kernels
+    from conftest import tune
+    from optimum_neuronx.backends.inductor import tuning
 
-    monkeypatch.setattr(inductor_kernels, "cpu_identity", lambda: identity)
-    monkeypatch.setattr(inductor, "WEIGHT_TILE", {})
+    monkeypatch.setattr(tuning, "cpu_identity", lambda: identity)
+    tune(monkeypatch, weight_tile={})
     for dtype in DTYPES:
         if not BACKEND.dot_kernel_isa(dtype).startswith("avx512"):
             continue
         expected = width if dtype == torch.bfloat16 else 0
         for batch in (1, 4):
-            lowering = BACKEND.lowering(dtype, batch_size=batch)
+            lowering = BACKEND.kernels(dtype, batch_size=batch)
             assert lowering.dot_one_row_width == expected and lowering.describe()["dot_one_row_width"] == expected
             assert lowering.uses_dot_kernel(1, dtype, 4096) and lowering.uses_dot_kernel(4, dtype, 5632)
             assert lowering.uses_dot_kernel(1, dtype, 5632) == (expected == 0)

@@ -9,7 +9,8 @@ import zipfile
 import pytest
 import torch
 
-from conftest import ARCHITECTURES, assert_bf16_logits_within_tolerance, build_tiny_checkpoint, left_padded_prompts
+from conftest import (ARCHITECTURES, assert_bf16_logits_within_tolerance, build_tiny_checkpoint, left_padded_prompts,
+                      tune)
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
 
@@ -77,7 +78,7 @@ def test_bf16_export_runs_decode_projections_through_the_dot_kernel(bf16_llama):
 
     from optimum_neuronx.backends import get_backend
 
-    from optimum_neuronx.backends.inductor_kernels import DOT_KERNEL_ISAS
+    from optimum_neuronx.backends.inductor.custom_kernels import DOT_KERNEL_ISAS
 
     isa = get_backend("inductor").dot_kernel_isa(torch.bfloat16)
     if not isa:
@@ -100,17 +101,16 @@ def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, reference_
 
 def test_bf16_batch_1_with_wide_rows_through_the_multiply_and_sum(tiny_checkpoint, reference_model,
                                                                    left_padded_batch, monkeypatch):
-    # Where a CPU's entry in ONE_ROW_DOT_WIDTH says so (Zen 5, bfloat16), a single row wider than it is Inductor's
+    # Where a CPU's one_row_dot_width says so (Zen 5, bfloat16), a single row wider than it is Inductor's
     # multiply + sum and narrower ones the dot kernel, in one graph. Here the limit is set below the tiny llama's
     # down projection (1088 inputs) and above its other projections (64).
     import json
 
-    from optimum_neuronx.backends import get_backend, inductor, inductor_kernels
+    from optimum_neuronx.backends import get_backend
 
     if not get_backend("inductor").dot_kernel_isa(torch.bfloat16).startswith("avx512"):
         pytest.skip("the one-row width limit is for the AVX-512 kernel, which this CPU lacks")
-    monkeypatch.setattr(inductor, "ONE_ROW_DOT_WIDTH", {inductor_kernels.cpu_identity(): {torch.bfloat16: 512}})
-    monkeypatch.setattr(inductor, "WEIGHT_TILE", {})  # plain rows (tiles take every width: test_tiled_weights.py)
+    tune(monkeypatch, one_row_dot_width={"bf16": 512}, weight_tile={})  # plain rows (tiles: test_tiled_weights.py)
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=1,
                                                    sequence_length=32, context_buckets=[16], token_buckets=[32],
                                                    auto_cast_type="bf16", compile_cache=False)
@@ -132,9 +132,7 @@ def test_bf16_logits_within_tolerance_with_heads_of_64(tmp_path, left_padded_bat
     # here, where the CPU's tuning would tile them (bf16_llama above takes the tuning as it is).
     from transformers import AutoModelForCausalLM
 
-    from optimum_neuronx.backends import inductor
-
-    monkeypatch.setattr(inductor, "WEIGHT_TILE", {})
+    tune(monkeypatch, weight_tile={})
 
     checkpoint = build_tiny_checkpoint("llama", tmp_path / "heads-of-64", hidden_size=96, head_dim=64,
                                        num_attention_heads=6, num_key_value_heads=2)
@@ -169,14 +167,14 @@ def test_projection_as_reduction_matches_linear(rows, dtype):
     # that row's F.linear (no mixed-up rows or transposed layout) on both sides of the row limit, eager and
     # compiled. bfloat16 is checked against float32 math on the same rounded inputs, within its rounding.
     from optimum_neuronx.backends import get_backend
-    from optimum_neuronx.modeling.decoder import project
+    from optimum_neuronx.backends.inductor.lowering import project
 
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 1, 48, generator=generator).to(dtype)
     weight = torch.randn(80, 48, generator=generator).to(dtype)
     bias = torch.randn(80, generator=generator).to(dtype)
     # bfloat16 decode uses the dot kernel where the CPU has avx512_bf16 (test_kernels.py); elsewhere this path
-    lowering = replace(get_backend("inductor").lowering(dtype, batch_size=1), dot_rows=0)
+    lowering = replace(get_backend("inductor").kernels(dtype, batch_size=1), dot_rows=0)
     assert lowering.matvec_rows == 4 and not lowering.packed_rows
     expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
@@ -196,7 +194,7 @@ def test_half_precision_gemm_upcasts_only_without_native_support(monkeypatch, na
     # Without avx512_bf16/AMX the BLAS emulates bf16 GEMMs (8x slower than float32): the inductor backend then
     # multiplies in float32 and rounds the result, which equals a float32 GEMM of the same operands.
     from optimum_neuronx.backends import get_backend
-    from optimum_neuronx.modeling.decoder import project
+    from optimum_neuronx.backends.inductor.lowering import project
 
     backend = get_backend("inductor")
     really_native = backend.gemm_dtype(torch.bfloat16) == torch.bfloat16
@@ -208,7 +206,7 @@ def test_half_precision_gemm_upcasts_only_without_native_support(monkeypatch, na
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(9, 48, generator=generator).bfloat16()
     weight = torch.randn(80, 48, generator=generator).bfloat16()
-    lowering = backend.lowering(torch.bfloat16, batch_size=1)
+    lowering = backend.kernels(torch.bfloat16, batch_size=1)
     assert lowering.onednn == native  # without native dot products, no oneDNN bf16 either
     if native and not really_native:
         pytest.skip("oneDNN has no bfloat16 GEMM on this CPU (no avx512_bf16 or AMX): only the choice was checked")
@@ -226,10 +224,10 @@ def test_projection_with_packed_weight_matches_linear(rows, dtype):
     # with the weight reordered at load (packed): whatever the row count, the result is F.linear's. (Compiled: the
     # batch-5 export below.)
     from optimum_neuronx.backends import get_backend
-    from optimum_neuronx.modeling.decoder import project
+    from optimum_neuronx.backends.inductor.lowering import project
 
     backend = get_backend("inductor")
-    lowering = replace(backend.lowering(dtype, batch_size=8).for_layers(), dot_rows=0)
+    lowering = replace(backend.kernels(dtype, batch_size=8).for_layers(), dot_rows=0)
     if not lowering.packed_rows:
         pytest.skip(f"this CPU has no native {dtype} dot products: no oneDNN path")
     assert lowering.onednn and lowering.matvec_rows == 0
@@ -343,9 +341,9 @@ def test_reduced_attention_matches_sdpa(dtype):
     # (a padding row: finite minimum mask, no NaN), eager and compiled; over the keys in one part, and split in
     # two (decode: the cache window and the new tokens beside it) under one softmax.
     from optimum_neuronx.backends import get_backend
-    from optimum_neuronx.modeling.decoder import reduced_attention
+    from optimum_neuronx.backends.inductor.lowering import reduced_attention
 
-    assert get_backend("inductor").lowering(dtype, batch_size=1).attention_tokens == 1
+    assert get_backend("inductor").kernels(dtype, batch_size=1).attention_tokens == 1
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, rows, window, head_dim = 3, 2, 4, 24, 16
     q = torch.randn(batch, kv_heads, rows, head_dim, generator=generator).to(dtype)
@@ -377,7 +375,7 @@ def test_blocked_causal_attention_matches_sdpa(dtype, block):
     # equal plain SDPA with K/V repeated per head over the whole causal + padding mask: with a last block shorter
     # than the others and left padding filling a whole block. Padding queries see no key: their outputs (never
     # read) may differ, but are not NaN.
-    from optimum_neuronx.modeling.decoder import attention, attention_masks
+    from optimum_neuronx.modeling.decoder import Kernels, attention, attention_masks
 
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, n_rep, tokens, head_dim = 3, 2, 3, 150, 16
@@ -395,7 +393,7 @@ def test_blocked_causal_attention_matches_sdpa(dtype, block):
     masks = attention_masks(mask, n_rep, block)
     assert len(masks) == (3 if block else 1)
     with torch.no_grad():
-        out = attention(folded, keys, values, masks, 0.25, reduced=False)
+        out = attention(Kernels(), folded, keys, values, masks, 0.25, tokens)
     out = out.view(batch, kv_heads, tokens, n_rep, head_dim).transpose(2, 3).reshape(q.shape)
     assert out.dtype == dtype and not out.isnan().any()
     real = valid[:, None, :, None].expand(q.shape)
@@ -408,7 +406,7 @@ def test_prompts_longer_than_an_attention_block_match_eager(tiny_checkpoint, ref
     # a full block and a shorter one, row 0's padding fills the first block entirely, row 2 spans both.
     from optimum_neuronx.backends import get_backend
 
-    block = get_backend("inductor").lowering(torch.float32, batch_size=3).causal_block
+    block = get_backend("inductor").kernels(torch.float32, batch_size=3).causal_block
     assert 0 < block <= 128  # the tiny models hold 256 positions
     bucket = block * 7 // 4
     model_type = "qwen2"  # tied embeddings; llama/mistral/qwen3 share the decoder and its attention
@@ -453,7 +451,7 @@ def _matvec(w, v):
 def test_wide_projection_compiles_without_idle_cascade_helper(dtype):
     # Inputs wider than 4096 (the 1.1B shape's down projection) got a heap-allocating sum helper per row that
     # never cascades at this width; without it the kernel must compute the very same sums.
-    from optimum_neuronx.backends.inductor_codegen import _vector_sums_without_idle_cascade
+    from optimum_neuronx.backends.inductor.codegen import _vector_sums_without_idle_cascade
 
     args = torch.randn(64, 5632).to(dtype), torch.randn(5632).to(dtype)
     helped, helped_code = _compiled_kernel(_matvec, args)
@@ -467,7 +465,7 @@ def test_row_streaming_loads_are_prefetched(dtype):
     # Decode's projections stream weight rows through a multiply + sum: the weight load gets one software
     # prefetch ROW_PREFETCH_BYTES ahead, the vector it is multiplied with (same elements every row) none, an
     # elementwise kernel none; the results do not change.
-    from optimum_neuronx.backends.inductor_codegen import ROW_PREFETCH_BYTES, decode_codegen, row_prefetch_locality
+    from optimum_neuronx.backends.inductor.codegen import ROW_PREFETCH_BYTES, decode_codegen, row_prefetch_locality
 
     args = torch.randn(300, 640).to(dtype), torch.randn(640).to(dtype)
     plain, plain_code = _compiled_kernel(_matvec, args)
@@ -489,7 +487,7 @@ def test_small_loops_run_on_one_thread():
     # is still split, and neither result changes.
     from torch._inductor import config as inductor_config
 
-    from optimum_neuronx.backends.inductor_codegen import MIN_ELEMENTS_PER_THREAD, inductor_options
+    from optimum_neuronx.backends.inductor.codegen import MIN_ELEMENTS_PER_THREAD, inductor_options
 
     def rms_norm(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w

@@ -8,7 +8,8 @@ from conftest import ARCHITECTURES, TINY_COMMON, TINY_CONFIGS
 from optimum_neuronx import NeuronConfig
 from optimum_neuronx.exporters import get_export_config, supported_model_types
 from optimum_neuronx.memory import GIB, check_fits_neuron_cores, estimate_memory, parameter_count
-from optimum_neuronx.modeling.decoder import Lowering, StaticDecoder
+from optimum_neuronx.backends.inductor.lowering import Lowering
+from optimum_neuronx.modeling.decoder import StaticDecoder
 
 SMALL = NeuronConfig(sequence_length=64)
 

@@ -1,4 +1,4 @@
-"""Projection weights stored in tiles [N / T, K, T] (Lowering.weight_tile): the ops, the dot kernel's tiled path
+"""Projection weights stored in tiles [N / T, K, T] (Lowering.weight_tile, modeling/layout.py): the ops, the dot kernel's tiled path
 (decode), tiled_linear's kernel (prefill), in float32 and bfloat16, and exports that store their weights that way."""
 
 import json
@@ -9,10 +9,12 @@ import torch
 from safetensors import safe_open
 
 from optimum_neuronx import NeuronModelForCausalLM
-from optimum_neuronx.backends import get_backend, inductor, inductor_kernels
-from optimum_neuronx.modeling import ops
-from optimum_neuronx.modeling.decoder import Lowering, project
-from optimum_neuronx.modeling.ops import rows_matvec, tile_weight, tiled_linear, untile_weight
+from conftest import DTYPE_NAMES, tune
+from optimum_neuronx.backends import get_backend
+from optimum_neuronx.backends.inductor import backend as inductor, custom_kernels as inductor_kernels, ops
+from optimum_neuronx.backends.inductor.lowering import Lowering, project
+from optimum_neuronx.backends.inductor.ops import rows_matvec, tiled_linear
+from optimum_neuronx.modeling.layout import tile_weight, untile_weight
 
 BACKEND = get_backend("inductor")
 # (rows, inputs, outputs, tile): 1-4 rows (one accumulator set or two), 5 rows (a chunk of 4, then 1), an odd
@@ -129,18 +131,17 @@ def test_kernel_reads_tiles_as_linear_does(tiled_package, threads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lowering_tiles_decode_batches_where_tuned(dtype, monkeypatch):
     _avx512_kernel(dtype)
-    monkeypatch.setattr(inductor, "WEIGHT_TILE", {inductor_kernels.cpu_identity(): {dtype: 32}})
-    monkeypatch.setattr(inductor, "ONE_ROW_DOT_WIDTH", {inductor_kernels.cpu_identity(): {dtype: 512}})
-    lowerings = [BACKEND.lowering(dtype, batch_size=b) for b in (1, 2, 4)]
+    tune(monkeypatch, weight_tile={DTYPE_NAMES[dtype]: 32}, one_row_dot_width={DTYPE_NAMES[dtype]: 512})
+    lowerings = [BACKEND.kernels(dtype, batch_size=b) for b in (1, 2, 4)]
     assert [lowering.weight_tile for lowering in lowerings] == [32, 32, 32]
     # tiles are read at decode by the dot kernel alone: no width past which one row leaves it
     assert [lowering.dot_one_row_width for lowering in lowerings] == [0, 0, 0]
-    assert BACKEND.lowering(dtype, batch_size=5).weight_tile == 0  # oneDNN's packed weights past 4 rows
+    assert BACKEND.kernels(dtype, batch_size=5).weight_tile == 0  # oneDNN's packed weights past 4 rows
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32
-    assert BACKEND.lowering(other, batch_size=1).weight_tile == 0
-    monkeypatch.setattr(inductor, "WEIGHT_TILE", {})
-    assert BACKEND.lowering(dtype, batch_size=4).weight_tile == 0
-    assert BACKEND.lowering(dtype, batch_size=1).dot_one_row_width == 512
+    assert BACKEND.kernels(other, batch_size=1).weight_tile == 0
+    tune(monkeypatch, weight_tile={})
+    assert BACKEND.kernels(dtype, batch_size=4).weight_tile == 0
+    assert BACKEND.kernels(dtype, batch_size=1).dot_one_row_width == 512
 
 
 def test_project_routes_tiles_by_rows_and_refuses_rows_it_cannot_read():
@@ -165,7 +166,7 @@ def _tiled_export(checkpoint, dtype, batch_size, tile=32):
     token buckets of 32 and 64."""
     _avx512_kernel(dtype)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(inductor, "WEIGHT_TILE", {inductor_kernels.cpu_identity(): {dtype: tile}})
+        tune(patch, weight_tile={DTYPE_NAMES[dtype]: tile})
         return NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, batch_size=batch_size,
                                                       sequence_length=64, context_buckets=[16],
                                                       token_buckets=[32, 64], compile_cache=False,

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from optimum_neuronx.backends.inductor import _forked_worker_setup
+from optimum_neuronx.backends.inductor.backend import _forked_worker_setup
 from optimum_neuronx.backends.workers import COMPILE_WORKERS_ENV, compile_workers, map_in_workers
 
 needs_fork = pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
@@ -93,7 +93,7 @@ def test_worker_count(monkeypatch):
 
 OPENMP_AFTER_FORK = """
 import torch
-from optimum_neuronx.backends.inductor import _forked_worker_setup
+from optimum_neuronx.backends.inductor.backend import _forked_worker_setup
 from optimum_neuronx.backends.workers import map_in_workers
 torch.set_num_threads(2)
 a = torch.randn(1500, 1500)

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Backend, GraphSpec
-
-# name -> module; imported only when asked for (the neuron toolchain is an optional extra).
-_BACKEND_MODULES = {"inductor": "inductor"}
-SUPPORTED_BACKENDS = tuple(_BACKEND_MODULES)
+from ..configuration import SUPPORTED_BACKENDS, GraphSpec
+from .base import Backend
 
 
 def get_backend(name: str) -> Backend:
-    module = _BACKEND_MODULES.get(name)
-    if module is None:
+    if name not in SUPPORTED_BACKENDS:
         raise ValueError(f"Unknown backend {name!r}; supported backends: {', '.join(SUPPORTED_BACKENDS)}.")
-    return importlib.import_module(f"{__package__}.{module}").BACKEND
+    # Imported only when asked for: a backend's toolchain may be an optional extra.
+    return importlib.import_module(f"{__package__}.{name}").BACKEND
 
 
 __all__ = ["Backend", "GraphSpec", "SUPPORTED_BACKENDS", "get_backend"]

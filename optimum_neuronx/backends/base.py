@@ -3,29 +3,16 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..modeling.decoder import Lowering
+from ..configuration import GraphSpec
+from ..modeling.decoder import Kernels
 
 
-@dataclass(frozen=True)
-class GraphSpec:
-    """One compiled graph: `tokens` new tokens per sequence attending to `window` cache slots."""
-
-    kind: str  # "context" (prefill) or "token" (decode)
-    tokens: int
-    window: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind}_{self.window}"
-
-
-# A loaded graph takes the decoder's flat inputs (see modeling/decoder.py) and returns logits.
+# A loaded graph takes the decoder's flat inputs (StaticDecoder.example_inputs' order) and returns logits.
 CompiledGraph = Callable[[list], torch.Tensor]
 
 
@@ -37,17 +24,20 @@ class Backend(ABC):
     # there by default (huge_pages.py).
     streams_host_weights: bool = False
 
-    def lowering(self, dtype: torch.dtype, batch_size: int) -> Lowering:
-        """How the decoder computes its projections for weights of `dtype` (see modeling/decoder.py)."""
-        return Lowering(gemm_dtype=self.gemm_dtype(dtype))
+    # Whether graphs may be sharded across several cores (tensor parallelism, NeuronConfig.tp_degree > 1).
+    shards: bool = False
+
+    def kernels(self, dtype: torch.dtype, batch_size: int) -> Kernels:
+        """How the decoder computes its projections, attention and cache write (modeling/decoder.py `Kernels`)."""
+        return Kernels()
+
+    def packable_weight_names(self, decoder: torch.nn.Module) -> list[str]:
+        """Weights the runtime may reorder at load for this backend's kernels (`pack_weight`); stamped at export."""
+        return []
 
     def pack_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
-        """`weight` reordered at load for the kernels that read it (`Lowering.packed_rows`)."""
+        """`weight` reordered at load for the kernels that read it."""
         raise NotImplementedError(f"The {self.name} backend does not pack weights.")
-
-    def gemm_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """Dtype the decoder's matrix multiplications (F.linear) compute in for weights of `dtype`."""
-        return dtype
 
     @abstractmethod
     def check_toolchain(self) -> None:
@@ -60,8 +50,8 @@ class Backend(ABC):
         """Code-generation choices of this backend beyond the lowering (stamped: a change recompiles)."""
         return {}
 
-    def target(self, lowering: Lowering | None = None, dtype: torch.dtype | None = None) -> str:
-        """What graphs compiled with `lowering` for weights of `dtype` need of the machine that runs them (stamped
+    def target(self, kernels: Kernels | None = None, dtype: torch.dtype | None = None) -> str:
+        """What graphs compiled with `kernels` for weights of `dtype` need of the machine that runs them (stamped
         in the export and the cache key)."""
         return ""
 

@@ -1,4 +1,4 @@
-"""`optimum-cli export neuron` / `python -m optimum_neuronx.exporters`: compile a model into a directory."""
+"""`optimum-cli export neuron` / `python -m optimum_neuronx.commands`: compile a model into a directory."""
 
 from __future__ import annotations
 

@@ -13,32 +13,14 @@ import torch
 from ..artifacts import (WEIGHTS_NAME, atomic_directory, copy_artifact_files, read_artifact, save_weights,
                          write_neuron_config)
 from ..cache import ENTRY_META, CacheKey, CompileCache, cache_key, weights_digest
-from ..backends import Backend, GraphSpec, get_backend
-from ..configuration import NeuronConfig
-from ..kv_cache import StaticKVCache
+from ..backends import Backend, get_backend
+from ..configuration import GraphSpec, NeuronConfig
 from ..memory import check_fits_neuron_cores, estimate_memory
 from ..modeling.decoder import DecoderSpec, StaticDecoder
 from ..version import ARTIFACT_FORMAT_VERSION, __version__
 from .registry import get_export_config
 
 logger = logging.getLogger(__name__)
-
-
-def graph_specs(neuron_config: NeuronConfig) -> list[GraphSpec]:
-    contexts = [GraphSpec("context", size, size) for size in neuron_config.context_buckets]
-    return contexts + [GraphSpec("token", 1, size) for size in neuron_config.token_buckets]
-
-
-def example_inputs(spec: DecoderSpec, neuron_config: NeuronConfig, graph: GraphSpec, kv_cache: torch.Tensor):
-    b = neuron_config.batch_size
-    return (
-        torch.zeros(b, graph.tokens, dtype=torch.long),  # input_ids
-        torch.zeros(b, graph.tokens, dtype=torch.long),  # position_ids
-        torch.zeros(1, dtype=torch.long),  # cache_start
-        torch.ones(b, graph.window, dtype=torch.bool),  # key_valid
-        torch.zeros(b, dtype=torch.long),  # last_index
-        kv_cache,
-    )
 
 
 def export(model_id: str, output_dir: str | Path, neuron_config: NeuronConfig,
@@ -78,11 +60,16 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     config = AutoConfig.from_pretrained(model_id, **hf_kwargs)
     export_config = get_export_config(config.model_type)
     spec = export_config.decoder_spec(config, neuron_config)
+    if neuron_config.tp_degree > 1 and not backend.shards:
+        raise ValueError(
+            f"tp_degree (num_cores) = {neuron_config.tp_degree}: the {backend.name} backend does not shard graphs "
+            f"across cores (each graph already runs on all of this machine's CPU cores). Use num_cores=1."
+        )
     estimate = estimate_memory(spec, neuron_config)
     logger.info("Memory estimate: %s", estimate.summary())
     if backend.targets_neuron_cores:
         check_fits_neuron_cores(estimate, spec)
-    graphs = graph_specs(neuron_config)
+    graphs = neuron_config.graphs()
     logger.info("Buckets: context %s, token generation %s (%d graphs, backend %s, %s)",
                 list(neuron_config.context_buckets), list(neuron_config.token_buckets), len(graphs),
                 neuron_config.backend, neuron_config.auto_cast_type)
@@ -90,7 +77,7 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     start = time.perf_counter()
     hf_model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32, **hf_kwargs)
     with torch.device("meta"):
-        decoder = StaticDecoder(spec, backend.lowering(neuron_config.torch_dtype, neuron_config.batch_size))
+        decoder = StaticDecoder(spec, backend.kernels(neuron_config.torch_dtype, neuron_config.batch_size))
     weights = decoder.arrange_weights(export_config.convert_weights(hf_model.state_dict(), decoder.parameter_names(),
                                                                     neuron_config.torch_dtype, spec.num_layers))
     decoder.load_state_dict(weights, strict=False, assign=True)
@@ -118,10 +105,11 @@ class _Prepared:
     start: float
 
     def backend_stamp(self) -> dict:
-        lowering = self.decoder.lowering
-        return {"version": self.backend.compiler_version(), "target": self.backend.target(lowering, self.neuron_config.torch_dtype),
-                "lowering": lowering.describe(), "codegen": self.backend.codegen_options(),
-                "packable_weights": self.decoder.packable_weight_names()}
+        kernels = self.decoder.kernels
+        return {"version": self.backend.compiler_version(),
+                "target": self.backend.target(kernels, self.neuron_config.torch_dtype),
+                "lowering": kernels.describe(), "codegen": self.backend.codegen_options(),
+                "packable_weights": self.backend.packable_weight_names(self.decoder)}
 
     def cache_key(self) -> CacheKey:
         versions = {"optimum_neuronx": __version__, "artifact_format": ARTIFACT_FORMAT_VERSION,
@@ -136,9 +124,10 @@ def _compile(p: _Prepared, output_dir: str | Path) -> dict:
     nc = p.neuron_config
     with atomic_directory(output_dir) as staging:
         save_weights(dict(p.decoder.state_dict()), staging / WEIGHTS_NAME)
-        kv_cache = StaticKVCache(p.spec, nc.batch_size, nc.sequence_length, nc.torch_dtype).kv
+        kv_cache = torch.zeros(p.spec.kv_cache_shape(nc.batch_size, nc.sequence_length), dtype=nc.torch_dtype)
         with torch.no_grad():
-            times = p.backend.compile(p.decoder, p.graphs, lambda g: example_inputs(p.spec, nc, g, kv_cache),
+            times = p.backend.compile(p.decoder, p.graphs,
+                                      lambda g: p.decoder.example_inputs(nc.batch_size, g.tokens, g.window, kv_cache),
                                       staging, nc.compiler_args)
         # Configs are written from files, never from a live model (its config carries runtime-only fields).
         p.config.save_pretrained(staging)

@@ -14,7 +14,7 @@ import torch
 
 from ..configuration import NeuronConfig
 from ..modeling.decoder import DecoderSpec
-from ..modeling.ops import untile_weight
+from ..modeling.layout import untile_weight
 
 # A flag is either a constant or the name of a boolean field of the Transformers config.
 Flag = Union[bool, str]

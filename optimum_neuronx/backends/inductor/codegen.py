@@ -1,4 +1,4 @@
-"""Three changes to the C++ kernels Inductor writes, applied while our graphs compile (docs/performance.md).
+"""Changes to the C++ kernels Inductor writes, applied while our graphs compile.
 
 Decode at batch 1 runs every projection as one vectorized multiply + sum per weight row, so the speed of
 those loops is the speed of decode. Around them, a decode step runs a few small kernels per layer (norms, rotary
@@ -17,19 +17,15 @@ import logging
 import math
 from typing import Iterator, Optional
 
+from .tuning import ROW_PREFETCH_BYTES, kernel_tuning
+
 logger = logging.getLogger(__name__)
 
 # Inductor's C++ sums over more than this many elements accumulate through a CascadeSumHelper, which starts
 # a new partial sum every CASCADE_CHUNK vector iterations (pairwise summation, for precision).
 CASCADE_CHUNK = 4096
-# How far ahead of a weight row's current vector a software prefetch reaches. 2, 4, 8 and 16 KiB were tried on
-# the 1.1B shape's bf16 token graph; 8 KiB was fastest (docs/performance.md).
-ROW_PREFETCH_BYTES = 8192
-# __builtin_prefetch's locality argument depends on the CPU: inductor_kernels.ROW_PREFETCH_LOCALITY.
-# The fewest elements per thread for which Inductor splits a loop between threads (its cpp.min_chunk_size;
-# Inductor's default, 512, splits an RMSNorm of 4 x 576). A split costs an OpenMP region (waking the other threads,
-# a barrier where the first one done waits) for a loop of a microsecond or less. SmolLM2's batch-4 token graph: 5
-# such regions per layer at 512, 150 a step, none at 8192; the step ran ~0.5 ms (~9%) faster in bf16, Zen 5.
+# The fewest elements per thread for which Inductor splits a loop between threads (its cpp.min_chunk_size, 512 by
+# default): a split of a loop of a microsecond costs more in OpenMP than it saves.
 MIN_ELEMENTS_PER_THREAD = 8192
 
 
@@ -39,9 +35,7 @@ def codegen_options() -> dict:
 
 
 def row_prefetch_locality() -> int:
-    """The prefetch hint for weight rows streamed one row of input at a time (this CPU's, see inductor_kernels)."""
-    from .inductor_kernels import kernel_tuning
-
+    """The prefetch hint for weight rows streamed one row of input at a time (this CPU's, tuning.py)."""
     return kernel_tuning()["row_prefetch_locality"]
 
 
@@ -61,9 +55,8 @@ def _vector_sums_without_idle_cascade() -> Iterator[None]:
     """Compile vectorized sums of at most CASCADE_CHUNK vectors with a plain accumulator.
 
     Such a sum never reaches a second chunk, so its CascadeSumHelper only adds one heap allocation per output
-    element: every row of a projection whose input is wider than 4096 (the 1.1B shape's down projection: 5632)
-    allocated and freed two vectors, ~6% of a bf16 batch-1 decode step in malloc/free. Longer sums keep their
-    helper.
+    element (two vectors allocated and freed per row of a projection wider than 4096 inputs). Longer sums keep
+    their helper.
     """
     from torch._inductor.codegen import cpp
 
@@ -93,8 +86,7 @@ def _row_streams_prefetched() -> Iterator[None]:
     A bf16 row's inner loop spends about a dozen instructions (two loads, four bf16 -> float conversions, the
     multiply-adds) on each 64-byte line, so the out-of-order window holds only a few dozen lines: too few
     misses in flight to keep memory busy once the host's bandwidth is high, whatever the hardware prefetcher
-    does. One non-temporal prefetch per line, a few rows ahead, keeps more in flight: the 1.1B shape's bf16 token
-    graph ran 13-20% faster with it, SmolLM2's 9%. The loads it applies to are those whose address moves with both the
+    does. One prefetch per line, a few rows ahead, keeps more in flight. The loads it applies to are those whose address moves with both the
     reduction (stride 1) and an outer loop, i.e. one row after another of a matrix; the vector the rows are
     multiplied with (same elements for every row) is not prefetched. A prefetch never faults, so reaching past
     the last row is harmless.

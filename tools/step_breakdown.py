@@ -2,7 +2,7 @@
 main thread did alone between them, and what forking and joining the threads cost; then what `generate` adds
 around each step.
 
-    python benchmarks/step_breakdown.py ARTIFACT_DIR [--seconds 60] [--calls 10] [--window W] [--json PATH]
+    python tools/step_breakdown.py ARTIFACT_DIR [--seconds 60] [--calls 10] [--window W] [--json PATH]
 
 A token graph's kernels that use several threads each run as one OpenMP parallel region (GOMP_parallel): the
 projections (`rows_matvec`), the decode attention, and those of Inductor's loops it parallelizes. Everything
@@ -37,8 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_report import placement, placement_split
-from core_round_trip import CoreRoundTrip, c_compiler
+from core_round_trip import CoreRoundTrip, c_compiler, placement, placement_split
 
 _CHILD = "OPTIMUM_NEURONX_STEP_BREAKDOWN_CHILD"
 

@@ -3,8 +3,7 @@
 A graph's package is three object files linked together: the wrapper (the graph's entry point: input checks,
 buffer allocation, one call per kernel), the kernels, and the constants' table. AOTInductor runs the compiler for
 each in turn; they do not depend on each other, so `objects_compiled_together` lets them run at the same time and
-only the link waits. SmolLM2's token graph: wrapper 17-19 s, kernels 24-27 s, one after the other before
-(docs/performance.md).
+only the link waits.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Custom ops the decoder calls where a backend may bring its own kernel.
+"""The inductor backend's custom ops: an eager definition (what torch.export traces) and a fake one for shapes.
 
-Each op is defined by its eager implementation (what every backend without a kernel of its own computes,
-and what torch.export traces through) and a fake one for shapes. The inductor backend compiles
-`rows_matvec` and `decode_attention` into its graphs as hand-written C++ kernels (backends/inductor_kernels.py).
-
-A projection weight is either plain, [N, K], or tiled, [N / T, K, T] (`tile_weight`): tile i holds outputs i * T ..
-i * T + T - 1, input by input, so a pass over it reads one contiguous stream and each input's T weights sit side by
-side (the kernel multiplies them by that one input, broadcast; backends/kernels/rows_matvec.cpp).
+AOTInductor compiles `rows_matvec`, `tiled_linear` and `decode_attention` into the graphs as our own C++ kernels
+(custom_kernels.py); `onednn_linear` is oneDNN's linear behind the dispatcher. Weights are plain [N, K] or tiled
+[N / T, K, T] (modeling/layout.py).
 """
 
 from __future__ import annotations
@@ -16,26 +12,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ...modeling.layout import untile_weight, weight_outputs
+
 ROWS_MATVEC_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def tile_weight(weight: torch.Tensor, tile: int) -> torch.Tensor:
-    """A plain weight [..., N, K] (N a multiple of `tile`) as tiles [..., N / tile, K, tile] (see above)."""
-    *lead, n, k = weight.shape
-    if n % tile:
-        raise ValueError(f"a weight of {n} outputs cannot be cut into tiles of {tile}")
-    return weight.reshape(*lead, n // tile, tile, k).transpose(-1, -2).contiguous()
-
-
-def untile_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The plain weight [..., N, K] of tiles [..., N / T, K, T] (`tile_weight`'s inverse)."""
-    *lead, tiles, k, tile = weight.shape
-    return weight.transpose(-1, -2).reshape(*lead, tiles * tile, k)
-
-
-def weight_outputs(weight: torch.Tensor) -> int:
-    """N, the outputs of a projection weight, plain [N, K] or tiled [N / T, K, T]."""
-    return weight.shape[0] * weight.shape[2] if weight.dim() == 3 else weight.shape[0]
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -58,9 +37,8 @@ def rows_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _tiled_linear(x, weight) if weight.dim() == 3 else F.linear(x, weight)
 
 
-# Tiled weights up to this many bytes are copied back to rows for one oneDNN call; larger ones take one call per
-# tile. At 512 rows (AMD EPYC, Zen 5): SmolLM2's projections (1-7 MB) 1.14x a plain weight's time copied, 1.27-1.6x per
-# tile; the 1.1B shape's (21-92 MB) 1.03-1.16x per tile, 1.19-1.61x copied (docs/performance.md).
+# Tiled weights up to this many bytes are copied back to rows for one oneDNN call (faster for small weights);
+# larger ones take one call per tile.
 TILED_LINEAR_COPY_BYTES = 16 << 20
 
 

@@ -112,3 +112,28 @@ class CoreRoundTrip:
         each = max(1, trips // batches)
         means = [self._library.round_trip_ns(self._cpus[0], self._cpus[1], each // 10, each) for _ in range(batches)]
         return statistics.median(means) if min(means) > 0 else None
+
+
+# Two placements differ this much in their round trips at least: ~2.7x (110 -> 300 ns), while
+# neighbouring round trips of one placement, sorted, sit within a few %.
+PLACEMENT_GAP = 2.0
+# Labels of a repeat's placement, in table order: all its round trips below the run's split, all above, some of
+# each, or a run without two placements (or without round trips: one CPU).
+PLACEMENTS = ("near", "apart", "mixed", "one placement")
+
+
+def placement_split(round_trips) -> float | None:
+    """The round trip (ns) between the two placements a run saw: the geometric middle of the first gap of
+    PLACEMENT_GAP or more, from the shortest; None when there is none (one placement, or no round trips)."""
+    values = sorted(ns for ns in round_trips if ns is not None)
+    for shorter, longer in zip(values, values[1:]):
+        if longer >= PLACEMENT_GAP * shorter:
+            return (shorter * longer) ** 0.5
+    return None
+
+
+def placement(round_trips: list, split: float | None) -> str:
+    if split is None or None in round_trips:
+        return "one placement"
+    sides = {ns >= split for ns in round_trips}
+    return "mixed" if len(sides) > 1 else ("apart" if sides.pop() else "near")

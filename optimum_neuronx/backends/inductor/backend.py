@@ -14,17 +14,18 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from ..modeling.decoder import Lowering
-from . import inductor_kernels
-from .base import Backend, CompiledGraph, GraphSpec
-from .inductor_build import objects_compiled_together
-from .inductor_codegen import codegen_options, decode_codegen, inductor_options
-from .inductor_kernels import DOT_KERNEL_ISAS, c_shim_options, kernel_digests, kernel_tuning
-from .workers import compile_workers, map_in_workers
+from ...configuration import GraphSpec
+from ..base import Backend, CompiledGraph
+from ..workers import compile_workers, map_in_workers
+from . import tuning
+from .build import objects_compiled_together
+from .codegen import codegen_options, decode_codegen, inductor_options
+from .custom_kernels import DOT_KERNEL_ISAS, c_shim_options, kernel_digests
+from .lowering import Lowering
 
 logger = logging.getLogger(__name__)
 
@@ -39,38 +40,11 @@ X86_FEATURE_PROBES = {
     "amx_tile": "_is_amx_tile_supported",
     "amx_fp16": "_is_amx_fp16_supported",
 }
-# Decode rows up to which projections use our dot-product kernel (it keeps one accumulator per row; the AVX-512
-# bfloat16 variant cuts wide input rows into pieces that stay in L1, kernels/rows_matvec.cpp).
+# Decode rows up to which projections use our dot-product kernel (one accumulator per row of x).
 DOT_KERNEL_ROWS = 4
-# The smallest batch (decode rows) each variant of the dot kernel takes. At one row the AVX2 variant streamed no
-# faster than Inductor's multiply + sum (Zen 3: SmolLM2 fp32 batch 1 token steps 0.93x, 8 of 8 rounds; 1 GiB probe
-# 0.92-1.04x; with whole input rows, the 1.1B shape's batch 1 steps took 1.04x (fp32) and 1.08x (bf16) the time),
-# so batch 1 keeps the multiply + sum there (docs/performance.md).
+# The smallest batch each variant of the dot kernel takes (AVX2 at one row is no faster than the multiply + sum).
 DOT_KERNEL_MIN_BATCH = {"avx512_bf16": 1, "avx512": 1, "avx2": 2}
-# At one row, the widest input (elements) the kernel takes per CPU (vendor, family) and dtype where measured; wider
-# rows go through Inductor's multiply + sum. Zen 5 (AMD family 26), bfloat16: the 1.1B shape's down projection
-# (5632 inputs) that way made its batch-1 token graph 1.06-1.17x faster in fast memory phases and 1.00-1.05x in slow
-# ones (both load orders); all its projections that way, no faster than the down projection alone; SmolLM2 (at most
-# 1536 inputs) 1.00-1.03x slower all that way; float32 (the 1.1B shape, all that way) unchanged. In a C harness the
-# kernel's one-row stream slows as x widens past 4096 (the streamed weights evict x from L1: with x confined to
-# 2 KiB, 8192 inputs streamed as fast as 2048). docs/performance.md.
-ONE_ROW_DOT_WIDTH = {("AuthenticAMD", 26): {torch.bfloat16: 4096}}
-# The tile projection weights are stored in (Lowering.weight_tile, ops.py) per CPU (vendor, family) and dtype where
-# measured, else plain, for decode batches the dot kernel's tiled variant (TILED_ISA) takes whole (1 ..
-# DOT_KERNEL_ROWS); tiled, every projection goes through the dot kernel at decode, at any width. Zen 5 (AMD family
-# 26), float32: plain rows held one core to ~28.5 GB/s at 4 rows of x (blocks of 4 weight rows, ~0.69x a plain read:
-# 4 multiply-adds and a load of x per weight line, 4 streams); tiles of 32 outputs, the rows of x broadcast input by
-# input, streamed 39.4 GB/s, a plain read's rate (C harness, one thread, 256 MiB of weights; tiles of 64 alike, of 16
-# ~37), and the 1.1B shape's batch-4 token graph ran 1.39x faster with the CPUs apart and 1.15x near; at batch 1
-# 1.03-1.04x apart (SmolLM2 1.03x), ~1.0x near. bfloat16 (pairs of inputs through vdpbf16ps): the 1.1B shape's
-# token graphs in tiles of 32 against plain rows (its down projection through Inductor's multiply + sum at batch 1)
-# 1.035-1.06x faster at batch 1 with the CPUs apart, 1.03x near, 1.14x at batch 4 apart; tiles of 64 1.02x and 1.13x;
-# SmolLM2 1.03x at batch 1 (near), 0.99-1.00x at batch 4. Prefill reads the tiles through our own kernel
-# (tiled_linear), as fast as oneDNN on plain rows or faster: 128-token TTFT at batch 1 1.11x (1.1B shape) and 1.20x
-# (SmolLM2) faster than plain rows in both dtypes, at batch 4 1.05x and 1.10-1.14x (docs/performance.md, "Float32
-# weights in tiles", "Prefill over tiles", "bfloat16 weights in tiles").
-WEIGHT_TILE = {("AuthenticAMD", 26): {torch.float32: 32, torch.bfloat16: 32}}
-# The dot kernel variant that reads tiles of each dtype (bfloat16: through avx512_bf16's dot products).
+# The dot kernel variant that reads tiled weights of each dtype (tuning.json's weight_tile).
 TILED_ISA = {torch.float32: "avx512", torch.bfloat16: "avx512_bf16"}
 # Compiler flags Inductor adds beyond its ISA's name when the compiling CPU has them.
 OPTIONAL_ISA_FLAGS = {"-mavx512bf16": "avx512_bf16", "-mamx-fp16": "amx_fp16"}
@@ -112,22 +86,10 @@ class InductorBackend(Backend):
                 "(Debian/Ubuntu: `apt-get install g++`). Loading an already exported model needs none."
             )
 
-    def lowering(self, dtype: torch.dtype, batch_size: int) -> Lowering:
-        # Measured (docs/performance.md). One row: Inductor's fused multiply + sum streams the layer weights
-        # faster than BLAS or oneDNN. Prefill: oneDNN's GEMM is 2-3x faster than the float32 BLAS GEMM on AMD
-        # EPYC. Several rows: oneDNN on weights reordered once at load reads them 1.5-3x faster than the
-        # multiply + sum (and than BLAS). Half precision uses oneDNN only where the CPU has native bf16/fp16
-        # dot products (see gemm_dtype); elsewhere the multiply + sum up to 4 rows, and above that the float32
-        # GEMM. Decode attention: fused reductions, up to 2x faster than the CPU flash-attention kernel. Prefill
-        # attention: 128-token query blocks that skip the keys after them, 10% off a 512-token prefill (1.1B bf16).
-        # bfloat16 and float32 decode on AVX-512 or AVX2: our dot-product kernel (inductor_kernels.py)
-        # for every projection up to DOT_KERNEL_ROWS rows, which it streams at 4 rows nearly as fast as at 1, where
-        # oneDNN spends ~14 us per call outside its kernel (SmolLM2 batch 4: a fifth of the step) and the multiply +
-        # sum spends 40 instructions per 64-byte line of bfloat16. Its weights stay plain (memory-mapped): only
-        # batches past its rows pack the weights for oneDNN.
-        # Decode attention, wherever that kernel builds, at any batch: our decode_attention kernel, which reads each
-        # K/V row once per group of query heads in one parallel region (SmolLM2 token step 0.96-0.98x the time of
-        # Inductor's fused reductions in bf16, 0.97x at fp32 batch 4).
+    def kernels(self, dtype: torch.dtype, batch_size: int) -> Lowering:
+        # Decode projections of up to DOT_KERNEL_ROWS rows: our dot kernel where it builds, else one fused multiply +
+        # sum per row; prefill and larger batches: oneDNN (weights packed at load past the kernel's rows). Decode
+        # attention: our kernel or fused reductions; prefill attention: SDPA in 128-token causal blocks.
         if not dtype.is_floating_point:
             return Lowering(gemm_dtype=self.gemm_dtype(dtype))
         gemm_dtype = self.gemm_dtype(dtype)
@@ -136,12 +98,12 @@ class InductorBackend(Backend):
         dot_rows = DOT_KERNEL_ROWS if isa and batch_size >= DOT_KERNEL_MIN_BATCH[isa] else 0
         attention_kernel = bool(isa)
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
-        widths = ONE_ROW_DOT_WIDTH.get(inductor_kernels.cpu_identity(), {}) if isa.startswith("avx512") else {}
-        tile = WEIGHT_TILE.get(inductor_kernels.cpu_identity(), {}).get(dtype, 0)
+        width = tuning.per_dtype("one_row_dot_width", dtype) if isa.startswith("avx512") else 0
+        tile = tuning.per_dtype("weight_tile", dtype)
         tile = tile if TILED_ISA.get(dtype) == isa and batch_size <= dot_rows else 0
         # Tiles are read at decode by the dot kernel alone, at every width
         return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "",
-                        dot_one_row_width=widths.get(dtype, 0) if dot_rows and not tile else 0, matvec_rows=4,
+                        dot_one_row_width=width if dot_rows and not tile else 0, matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
                         attention_kernel=attention_kernel, causal_block=128,
                         weight_tile=tile)
@@ -160,14 +122,16 @@ class InductorBackend(Backend):
     def has_dot_kernel(self, dtype: torch.dtype) -> bool:
         return bool(self.dot_kernel_isa(dtype))
 
+    def packable_weight_names(self, decoder) -> list[str]:
+        return decoder.kernels.packable_weight_names(decoder)
+
     def pack_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
         # oneDNN's blocked layout depends on this CPU and this torch build: reordered at load, never saved.
         return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
     def gemm_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        # Without native bf16/fp16 dot products (avx512_bf16, AMX) the BLAS emulates half-precision GEMMs 8x
-        # slower than float32 here (docs/performance.md): upcast the operands, round the result. Weights stay
-        # half precision in memory; decode's few-row projections (reductions) are not affected.
+        # Without native bf16/fp16 dot products (avx512_bf16, AMX) the BLAS emulates half-precision GEMMs several
+        # times slower than float32: upcast the operands, round the result. Weights stay half precision in memory.
         native = {torch.bfloat16: ("avx512_bf16", "amx_tile"), torch.float16: ("amx_fp16",)}
         if dtype not in native or any(cpu_has(feature) for feature in native[dtype]):
             return dtype
@@ -177,7 +141,7 @@ class InductorBackend(Backend):
         return torch.__version__
 
     def codegen_options(self) -> dict:
-        return {**codegen_options(), "kernels": kernel_digests(), "kernel_tuning": kernel_tuning()}
+        return {**codegen_options(), "kernels": kernel_digests(), "kernel_tuning": tuning.kernel_tuning()}
 
     def target(self, lowering: Lowering | None = None, dtype: torch.dtype | None = None) -> str:
         # The vector instructions Inductor's C++ kernels were compiled for: its ISA for this CPU (e.g. "avx512
@@ -221,7 +185,7 @@ class InductorBackend(Backend):
     def compile(self, decoder, graphs, example_inputs, out_dir, compiler_args) -> dict[str, float]:
         from torch._inductor.package import package_aoti
 
-        lowering = decoder.lowering
+        lowering = decoder.kernels
         options = {**inductor_options(),
                    **c_shim_options(lowering.dot_rows, lowering.dot_isa, lowering.attention_kernel),
                    **parse_compiler_args(compiler_args)}

@@ -1,0 +1,77 @@
+"""The CPU-dependent constants of the inductor backend, read from one table of data (kernels/tuning.json).
+
+A CPU is named by its vendor and family (`cpu_identity`); its entry overrides some values of the generic profile,
+which every other CPU gets. Every value is stamped into exports, so a changed table never reuses a cached compile.
+
+weight_tile          dtype -> outputs per tile of the projection weights at decode batches 1-4 (0: plain rows)
+one_row_dot_width    dtype -> widest single decode row the dot kernel takes (0: any); wider ones are multiply + sum
+row_prefetch_locality, rows_prefetch_locality
+                     __builtin_prefetch's locality for weights streamed against one / several rows of input
+float32_rows_piece_bytes, bfloat16_rows_piece_bytes
+                     > 0: several rows of x in pieces of at most that many bytes, one weight row at a time
+float32_row_block_bytes
+                     > 0: one float32 row of x longer than that in blocks of 4 weight rows
+row_prefetch         1: the dot kernel prefetches the weights it takes one row at a time
+row_swizzled_x       dtypes (1 float32, 2 bfloat16, 3 both) whose row of x the dot kernel keeps out of line order
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+TUNING_FILE = Path(__file__).with_name("kernels") / "tuning.json"
+# The values compiled into the C++ kernels, as OPTIMUM_NEURONX_<NAME> (custom_kernels.c_shim_options).
+KERNEL_CONSTANTS = ("row_prefetch_locality", "rows_prefetch_locality", "float32_rows_piece_bytes",
+                    "bfloat16_rows_piece_bytes", "float32_row_block_bytes", "row_prefetch", "row_swizzled_x")
+# How far ahead of a weight row's current vector a software prefetch reaches (Inductor's loops and ours).
+ROW_PREFETCH_BYTES = 8192
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+PROFILES: dict[str, dict] = {name: entry for name, entry in json.loads(TUNING_FILE.read_text()).items()
+                             if not name.startswith("_")}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_fields(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's `name: value` fields of /proc/cpuinfo; {} where it cannot be read."""
+    fields = {}
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            name, sep, value = line.partition(":")
+            if not sep:
+                break  # end of the first processor's block
+            fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, int]:
+    """(vendor, family) of this x86 CPU from /proc/cpuinfo; ("", -1) where it cannot be read."""
+    fields = cpu_fields(cpuinfo)
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else -1
+
+
+def profile_name(identity: tuple[str, int]) -> str:
+    return f"{identity[0]} family {identity[1]}"
+
+
+def cpu_profile() -> dict:
+    """This CPU's values: the generic profile with its own entry's overrides."""
+    return {**PROFILES["generic"], **PROFILES.get(profile_name(cpu_identity()), {})}
+
+
+def per_dtype(name: str, dtype: torch.dtype) -> int:
+    """A per-dtype value of this CPU's profile (`weight_tile`, `one_row_dot_width`); 0 where it names none."""
+    return cpu_profile()[name].get(_DTYPE_NAMES.get(dtype, ""), 0)
+
+
+def kernel_tuning() -> dict:
+    """The constants compiled into the kernels for this CPU; stamped into exports next to the kernels' digests."""
+    profile = cpu_profile()
+    return {name: profile[name] for name in KERNEL_CONSTANTS}

@@ -1,5 +1,0 @@
-import sys
-
-from ..commands.export import main
-
-sys.exit(main())
