@@ -16,7 +16,7 @@ setup(
     license="Apache-2.0",
     # optimum.commands.register is optimum's PEP 420 namespace for optimum-cli plugins.
     packages=find_packages(include=["optimum_neuronx", "optimum_neuronx.*"]) + ["optimum.commands.register"],
-    package_data={"optimum_neuronx.backends.inductor": ["kernels/*.cpp", "kernels/*.h", "kernels/*.json"]},
+    package_data={"optimum_neuronx.backends.inductor": ["kernels/*.cpp", "kernels/*.h", "kernels/*.json"]},  # compiled into graphs
     python_requires=">=3.10",
     install_requires=[
         # Tested on 2.13 and 2.14; AOTInductor's package loader segfaults on 2.11 (seen on 2.11.0+cu130).

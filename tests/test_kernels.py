@@ -324,6 +324,9 @@ def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows,
     # (and their compile-cache keys) carry them all
     shims = inductor_kernels.c_shim_options(4, "avx512")["aot_inductor.custom_ops_to_c_shims"]
     source = shims[torch.ops.optimum_neuronx.rows_matvec.default][0]
+    # one translation unit: the shared header once, in front of the kernels, which no longer include it
+    assert source.count("#define OPTIMUM_NEURONX_KERNELS_COMMON_H") == 1 and '#include "common.h"' not in source
+    assert source.index("OPTIMUM_NEURONX_KERNELS_COMMON_H") < source.index("aoti_torch_cpu_rows_matvec")
     assert f"#define OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY {one_row}\n" in source
     assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {several_rows}\n" in source
     assert f"#define OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES {float32_pieces}\n" in source

@@ -127,3 +127,30 @@ def test_step_breakdown_times_the_regions_of_a_saved_models_token_steps(breakdow
     (generate,) = result["generate"].values()
     assert generate["generations"] == 1 and generate["step_ms"] > generate["graph_ms"] > 0
     assert "| call | in regions |" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def harness():
+    return script_module("kernel_harness", TOOLS)
+
+
+@pytest.mark.parametrize("dtype, rows, k, tolerance", [("f32", 3, 300, 1e-5), ("bf16", 1, 130, 1e-2)])
+def test_kernel_harness_times_the_dot_kernel_against_a_plain_read(harness, dtype, rows, k, tolerance):
+    # the harness compiles kernels/harness.cpp with a graph's defines and checks the kernel against float64 sums
+    from optimum_neuronx.backends import get_backend
+
+    if not get_backend("inductor").dot_kernel_isa(harness.DTYPES[dtype]):
+        pytest.skip(f"this CPU has no variant of the dot kernel for {dtype}")
+    result = harness.run(dtype, rows, k, 96, repeats=1)
+    assert result["ok"] and (result["rows"], result["k"], result["n"]) == (rows, k, 96)
+    assert result["kernel_gb_s"] > 0 and result["read_gb_s"] > 0
+    assert result["max_relative_error"] < tolerance
+    assert result["isa"] == get_backend("inductor").dot_kernel_isa(harness.DTYPES[dtype])
+
+
+def test_kernel_harness_refuses_an_unknown_tuning_constant(harness):
+    from optimum_neuronx.backends.inductor.custom_kernels import kernel_defines
+
+    with pytest.raises(ValueError, match=r"unknown tuning constants \['row_speed'\]; the kernels take \["):
+        kernel_defines("avx2", tuning_overrides={"row_speed": 1})
+    assert kernel_defines("avx2", tuning_overrides={"row_prefetch": 0})["OPTIMUM_NEURONX_ROW_PREFETCH"] == 0

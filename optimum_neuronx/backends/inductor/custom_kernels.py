@@ -7,8 +7,9 @@ declares from the strings given there. We give the function's whole source as th
 wrapper's C++ file and is compiled with it, so every graph carries its kernel and loading one needs no extra
 library, no op registration and no compiler.
 
-The kernel sources live next to this file in kernels/; their digest is stamped into every export
-(`kernel_digests`), so an edited kernel never reuses a cached compile.
+The kernel sources live next to this file in kernels/ (common.h: what both kernels share; harness.cpp times the dot
+kernel alone, tools/kernel_harness.py); their digest is stamped into every export (`kernel_digests`), so an edited
+kernel never reuses a cached compile.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from . import ops  # noqa: F401  (registers torch.ops.optimum_neuronx)
 from .tuning import ROW_PREFETCH_BYTES, kernel_tuning
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
+COMMON = "common.h"  # included by both kernels; spliced once in front of them
 ROWS_MATVEC = "rows_matvec.cpp"
-DECODE_ATTENTION = "decode_attention.cpp"  # spliced after rows_matvec.cpp, whose helpers it uses
+DECODE_ATTENTION = "decode_attention.cpp"
 # decode_attention's function is defined in that one source; its own entry only declares it.
 DECODE_ATTENTION_DECLARATION = ('"C" AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle, AtenTensorHandle, '
                                 "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, "
@@ -37,9 +39,17 @@ def kernel_source(name: str) -> str:
     return (KERNELS_DIR / name).read_text()
 
 
+def spliced_source(names: tuple[str, ...]) -> str:
+    """common.h, then each kernel without its own `#include "common.h"`: one translation unit for the wrapper."""
+    include = f'#include "{COMMON}"'
+    return kernel_source(COMMON) + "".join(
+        "".join(line for line in kernel_source(name).splitlines(keepends=True) if line.strip() != include)
+        for name in names)
+
+
 def kernel_digests() -> dict:
     return {name: hashlib.sha256(kernel_source(name).encode()).hexdigest()[:16]
-            for name in (ROWS_MATVEC, DECODE_ATTENTION)}
+            for name in (COMMON, ROWS_MATVEC, DECODE_ATTENTION)}
 
 
 # The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86
@@ -52,6 +62,26 @@ DOT_KERNEL_ISAS = {
 }
 
 
+def kernel_defines(isa: str, piece_bytes: int = -1, chunk_bytes: int = 0, tuning_overrides: dict | None = None) -> dict:
+    """The macros our kernels are compiled with for the variant `isa` (a DOT_KERNEL_ISAS key) on this CPU: the
+    variant, this CPU's tuning-table constants (`tuning_overrides` replaces some), and the test overrides below."""
+    if isa not in DOT_KERNEL_ISAS:
+        raise ValueError(f"our kernels have no {isa!r} variant; they have {sorted(DOT_KERNEL_ISAS)}.")
+    tuning = kernel_tuning()
+    unknown = set(tuning_overrides or {}) - set(tuning)
+    if unknown:
+        raise ValueError(f"unknown tuning constants {sorted(unknown)}; the kernels take {sorted(tuning)}.")
+    tuning.update(tuning_overrides or {})
+    defines = {"OPTIMUM_NEURONX_ROW_PREFETCH_BYTES": ROW_PREFETCH_BYTES,
+               "OPTIMUM_NEURONX_DOT_AVX512": int(isa.startswith("avx512")),
+               "OPTIMUM_NEURONX_DOT_BF16_NATIVE": int(isa == "avx512_bf16"),
+               "OPTIMUM_NEURONX_DOT_PIECE_BYTES": piece_bytes,
+               "OPTIMUM_NEURONX_DOT_CHUNK_BYTES": chunk_bytes}
+    # Each tuning constant under its own name: "row_prefetch_locality" -> OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY.
+    defines.update({f"OPTIMUM_NEURONX_{name.upper()}": value for name, value in tuning.items()})
+    return defines
+
+
 def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes: int = -1,
                    chunk_bytes: int = 0) -> dict:
     """Inductor options that compile our kernels' variant for `isa` (a DOT_KERNEL_ISAS key) into the graph:
@@ -62,21 +92,12 @@ def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes
     many chunks from small weights."""
     if not dot_rows and not attention:
         return {}
-    if isa not in DOT_KERNEL_ISAS:
-        raise ValueError(f"our kernels have no {isa!r} variant; they have {sorted(DOT_KERNEL_ISAS)}.")
+    defines = kernel_defines(isa, piece_bytes, chunk_bytes)
     # Inductor writes each string as `extern <string>;` inside an `extern "C" { ... }` block: `extern "C++" { ... }`
     # gives the source its own linkage block, in which the shim functions declare themselves extern "C".
-    defines = {"OPTIMUM_NEURONX_ROW_PREFETCH_BYTES": ROW_PREFETCH_BYTES,
-               "OPTIMUM_NEURONX_DOT_AVX512": int(isa.startswith("avx512")),
-               "OPTIMUM_NEURONX_DOT_BF16_NATIVE": int(isa == "avx512_bf16"),
-               "OPTIMUM_NEURONX_DOT_PIECE_BYTES": piece_bytes,
-               "OPTIMUM_NEURONX_DOT_CHUNK_BYTES": chunk_bytes}
-    # Each kernel_tuning entry is compiled in under its own name: "row_prefetch_locality" ->
-    # OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY.
-    defines.update({f"OPTIMUM_NEURONX_{name.upper()}": value for name, value in kernel_tuning().items()})
     names = (ROWS_MATVEC, DECODE_ATTENTION) if attention else (ROWS_MATVEC,)
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items())
-    source += "".join(kernel_source(name) for name in names)
+    source += spliced_source(names)
     source = '"C++" {\n' + source + "".join(f"\n#undef {name}" for name in defines) + "\n}"
     shims = {torch.ops.optimum_neuronx.rows_matvec.default: [source],
              torch.ops.optimum_neuronx.tiled_linear.default: [TILED_LINEAR_DECLARATION]}

@@ -1,4 +1,4 @@
-// optimum_neuronx::decode_attention for AOTInductor on x86 CPUs with AVX-512 or AVX2 (see inductor_kernels.py).
+// optimum_neuronx::decode_attention for AOTInductor on x86 CPUs with AVX-512 or AVX2 (see custom_kernels.py).
 //
 // Decode attention over a cache window and the step's new tokens, for one group of query rows per (sequence, KV
 // head): q [B, KV, R, D] float32, already scaled (R: the group's query heads times the new tokens); keys and
@@ -17,9 +17,9 @@
 // (seen_window). On AVX-512, keys and values whose rows are 64 or 128 elements back to back take their own loops
 // (DenseRows below; bfloat16 with avx512_bf16): every row at a fixed offset, no float32 copy of a bfloat16 block.
 //
-// Spliced after rows_matvec.cpp into the same wrapper (inductor_kernels.py), whose helpers it uses.
+// Spliced after rows_matvec.cpp into the same wrapper (custom_kernels.py).
 
-#include <utility>
+#include "common.h"
 
 namespace optimum_neuronx_kernels {
 

@@ -1,4 +1,4 @@
-// optimum_neuronx::rows_matvec for AOTInductor on x86 CPUs with AVX-512 or AVX2 (see inductor_kernels.py).
+// optimum_neuronx::rows_matvec for AOTInductor on x86 CPUs with AVX-512 or AVX2 (see custom_kernels.py).
 //
 // y[r, n] = sum_k x[r, k] * weight[n, k] for a few rows r (decode: one per sequence), float32 sums, in and out
 // either bfloat16 or float32. Each weight row is read from memory once for all rows of x. AVX-512: one instruction
@@ -26,17 +26,11 @@
 // OPTIMUM_NEURONX_ROW_PREFETCH (AVX-512 at one whole row: 0, no prefetch) and OPTIMUM_NEURONX_ROW_SWIZZLED_X
 // (AVX-512 at one row, the dtypes whose x's lines are kept out of order, see x_line_slot: 1 float32, 2 bfloat16,
 // 3 both) are defined in front of this file.
-#include <immintrin.h>
-#include <omp.h>
-
-#include <cstdint>
-#include <cstdlib>
-#include <type_traits>
+#include "common.h"
 
 namespace optimum_neuronx_kernels {
 
 constexpr int kMaxRows = 4;  // rows of x per pass over the weight (one accumulator each per weight row)
-constexpr int64_t kLineBytes = 64;
 
 // One row of x may be kept with its lines out of order (Lines::kRowSwizzledX): line l of each group of
 // kSwizzleLines at slot (5 l + the group's number) mod kSwizzleLines of its group, an order that differs from group
@@ -58,14 +52,6 @@ inline int64_t x_line_slot(int64_t l) {
 template <typename Lines>
 constexpr bool swizzled_x(int64_t rows) {
   return rows == 1 && Lines::kRowSwizzledX;
-}
-
-inline uint16_t round_to_bf16(float value) {
-  // Round to nearest even, as c10::BFloat16 does; NaN stays a quiet NaN.
-  if (value != value) return 0x7fc0;
-  uint32_t bits;
-  __builtin_memcpy(&bits, &value, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
 // Lines that keep x as it is: copy_x_row copies one row of x into the kernel's buffer, zero-padded to k_padded
@@ -642,19 +628,6 @@ struct alignas(64) NextRow {  // a line of its own: its owner's claims stay in i
   int64_t row;  // claimed with __atomic_fetch_add
 };
 
-// A 64-byte aligned buffer of at least `count` elements, one per calling thread and tag, grown as needed and kept.
-template <typename Element, int kTag>
-Element* kept_buffer(int64_t count) {
-  static thread_local Element* buffer = nullptr;
-  static thread_local int64_t capacity = 0;
-  if (capacity < count) {
-    std::free(buffer);
-    buffer = static_cast<Element*>(std::aligned_alloc(64, (count * sizeof(Element) + 63) / 64 * 64));
-    capacity = buffer ? count : 0;
-  }
-  return buffer;
-}
-
 // Elements per row of x as the kernel keeps it: whole lines, and whole groups of lines where they are out of order.
 template <typename Lines>
 int64_t padded_columns(int64_t rows, int64_t k) {
@@ -1048,6 +1021,7 @@ bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_dat
 
 #undef OPTIMUM_NEURONX_DOT_TARGET
 
+#ifndef OPTIMUM_NEURONX_KERNELS_NO_SHIMS  // the AOTInductor entry points (harness.cpp leaves them out)
 namespace optimum_neuronx_shims {
 
 // A tensor's dim, dtype, sizes, strides and data, as the C shim API gives them.
@@ -1213,6 +1187,7 @@ extern "C" AOTITorchError aoti_torch_cpu_tiled_linear(AtenTensorHandle x, AtenTe
   (void)weight;
   (void)bias;
   (void)ret0;
-  return AOTI_TORCH_FAILURE;  // tiles are an AVX-512 layout (inductor.py)
+  return AOTI_TORCH_FAILURE;  // tiles are an AVX-512 layout (backend.py)
 #endif
 }
+#endif  // OPTIMUM_NEURONX_KERNELS_NO_SHIMS
