@@ -413,7 +413,7 @@ class BandwidthProbe:
     @staticmethod
     def _matrix(shape: tuple, dtype: torch.dtype, values: torch.Tensor) -> torch.Tensor:
         """`values` (broadcast) in a matrix of huge pages, collapsed into them as the weights' loader does."""
-        from optimum_neuronx.artifacts import HUGE_PAGE_TARGET
+        from optimum_neuronx.weights_io import HUGE_PAGE_TARGET
         from optimum_neuronx.huge_pages import huge_page_buffer, huge_pages_available, settle
 
         if not huge_pages_available():

@@ -21,12 +21,13 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .artifacts import ArtifactError, atomic_directory, copy_artifact_files, load_weights, read_artifact
+from .artifacts import ArtifactError, atomic_directory, copy_artifact_files, read_artifact
 from .backends import get_backend
 from .buckets import context_bucket, token_bucket
 from .configuration import GraphSpec, NeuronConfig
 from .exporters.registry import get_export_config
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
+from .weights_io import load_weights
 
 logger = logging.getLogger(__name__)
 # Transformers 5.24 renamed the model output's and generate's `past_key_values` to `cache` (the old name still

@@ -137,7 +137,7 @@ def test_static_cache_baseline_is_generate_compiling_its_decode_step_on_cpu(benc
 def test_a_failing_or_hung_job_is_recorded_not_raised(bench, tmp_path):
     failed = bench.run_batches(eager_job(tmp_path / "missing", tmp_path), timeout=600, probe=lambda: {})
     assert set(failed) == {1, 2}
-    assert all("missing" in numbers["error"] for numbers in failed.values())
+    assert all("missing" in numbers["error"] for numbers in failed.values()), failed
     crashed = bench.run_jobs([{"not a job": True}], timeout=600)
     assert "exit 1" in crashed[0]["error"] and "KeyError" in crashed[0]["error"]
     hung = bench.run_batches(eager_job(tmp_path / "missing", tmp_path), timeout=0.1, probe=lambda: {})

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from optimum_neuronx import NeuronModelForCausalLM
-from optimum_neuronx import artifacts as artifacts_module
+from optimum_neuronx import weights_io as artifacts_module
 from optimum_neuronx import huge_pages as huge_pages_module
-from optimum_neuronx.artifacts import ArtifactError, _read_into_huge_pages, load_weights, read_artifact, save_weights
+from optimum_neuronx.artifacts import ArtifactError, read_artifact
+from optimum_neuronx.weights_io import _read_into_huge_pages, load_weights, save_weights
 from optimum_neuronx.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer, huge_page_share, transparent_huge_pages
 
 linux_only = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="MADV_HUGEPAGE is Linux's")

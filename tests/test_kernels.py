@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import replace
 
 import pytest
 import torch
@@ -62,52 +61,24 @@ def _runs_here(isa, dtype):
 
 PIECES = 4096
 CHUNK_BYTES = 1
-# The AVX-512 float32 kernel as some CPUs are tuned to run it (tuning.json float32_rows_piece_bytes): several
-# rows of x one weight row at a time, in pieces of at most this many bytes (all rows), which cuts every several-row
-# shape above past 2 KiB (2 x 576 into 3 pieces, 4 x 3300 into 26); the other variants keep its blocks whatever
-# this CPU's tuning says, so both paths run on every AVX-512 host. The avx512_bf16 kernel likewise
-# (BFLOAT16_ROWS_PIECE_BYTES: 2 x 576 into 2 pieces, 4 x 3300 into 13), including the rows past its 24 KiB of
-# short rows, which it otherwise takes in blocks; its pieced chunks are the larger ones (kPiecedChunkBytes) where
-# CHUNK_BYTES does not cut them to one block.
-ROWS_PIECES = 2048
-# The AVX-512 kernels keep one row of x with its lines out of order on some CPUs (tuning.json row_swizzled_x):
-# the avx512_bf16 variants here do, pieces included (one row of 2100 in 2 pieces; one row of 48, 300 and 2100 end in a
-# partial group of 8 lines, the fifth row of 5 x 100 is a chunk of one row), and one more keeps x in order, so both
-# orders run on every host with avx512_bf16. The AVX2 variants have no such option.
-# The AVX-512 float32 kernel as Zen 4 runs it (the variants with ROWS_PIECES): x out of order too, and one row of x
-# longer than ROW_BLOCK_BYTES in blocks of 4 weight rows (tuning.json float32_row_block_bytes): one row of 300
-# (40 outputs) and of 2100 (12: a block and 2 single rows in each thread's half) in blocks, of 48 and 100 one weight
-# row at a time; with small chunks, one block per chunk; the one row of 2100 cut into pieces takes no blocks.
-ROW_BLOCK_BYTES = 1024
-VARIANTS = [(isa, dtype, pieces, 0, 3 if isa == "avx512_bf16" else 0, 0) for pieces in (-1, PIECES) for isa in DOT_ISA
-            for dtype in DOT_ISA[isa]]
-VARIANTS += [("avx512", torch.float32, pieces, ROWS_PIECES, 1, ROW_BLOCK_BYTES) for pieces in (-1, PIECES)]
-VARIANTS += [("avx512_bf16", torch.bfloat16, pieces, ROWS_PIECES, 3, 0) for pieces in (-1, PIECES)]
-VARIANTS += [("avx512_bf16", torch.bfloat16, -1, 0, 0, 0)]
+VARIANTS = [(isa, dtype, pieces) for pieces in (-1, PIECES) for isa in DOT_ISA for dtype in DOT_ISA[isa]]
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[
     f"{isa}-{'bf16' if dtype == torch.bfloat16 else 'fp32'}{'-pieces-blocks' if pieces > 0 else ''}"
-    f"{'-rows-in-pieces' if rows_pieces else ''}{'-x-in-order' if isa == 'avx512_bf16' and not swizzled else ''}"
-    f"{'-x-out-of-order-row-blocks' if row_blocks else ''}"
-    for isa, dtype, pieces, rows_pieces, swizzled, row_blocks in VARIANTS])
+    for isa, dtype, pieces in VARIANTS])
 def kernel_package(request, tmp_path_factory):
     from torch._inductor.package import package_aoti
 
     from optimum_neuronx.backends.inductor import custom_kernels as inductor_kernels
 
-    isa, dtype, pieces, rows_pieces, swizzled, row_blocks = request.param
+    isa, dtype, pieces = request.param
     if not _runs_here(isa, dtype):
         pytest.skip(f"rows_matvec's {isa} {dtype} kernel needs {' and '.join(DOT_ISA[isa][dtype])} and GCC or Clang")
     module, args = _Projections(dtype).eval(), _inputs(dtype)
     program = torch.export.export(module, args, strict=False)
     small = pieces > 0  # pieces of x and chunks of one block of weight rows
-    tuning = {**inductor_kernels.kernel_tuning(), "float32_rows_piece_bytes": rows_pieces,
-              "bfloat16_rows_piece_bytes": rows_pieces, "float32_row_block_bytes": row_blocks,
-              "row_swizzled_x": swizzled}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(inductor_kernels, "kernel_tuning", lambda: tuning)
-        options = inductor_kernels.c_shim_options(4, isa, piece_bytes=pieces, chunk_bytes=CHUNK_BYTES if small else 0)
+    options = inductor_kernels.c_shim_options(4, isa, piece_bytes=pieces, chunk_bytes=CHUNK_BYTES if small else 0)
     files = torch._inductor.aot_compile(program.module(), args, options={"aot_inductor.package": True, **options})
     return package_aoti(str(tmp_path_factory.mktemp("kernel") / "kernel.pt2"), files), module, args
 
@@ -297,17 +268,13 @@ def test_export_needing_the_kernel_refused_on_a_cpu_without_its_instructions(isa
     assert BACKEND.missing_target_support(target) == ""
 
 
-@pytest.mark.parametrize(
-    "cpuinfo, identity, one_row, several_rows, float32_pieces, bfloat16_pieces, float32_row_blocks, row_prefetch, "
-    "swizzled_x", [
-        ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n",
-         ("AuthenticAMD", 26), 0, 0, 0, 0, 0, 1, 2),
-        ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1, 16384, 24576, 16384, 0, 3),
-        ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1, 0, 0, 0, 1, 0),
-        ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1, 0, 0, 0, 1, 0),  # no x86 fields (e.g. aarch64)
-    ])
-def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows, float32_pieces, bfloat16_pieces,
-                                       float32_row_blocks, row_prefetch, swizzled_x, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cpuinfo, identity, one_row, several_rows", [
+    ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\nvendor_id\t: AuthenticAMD\n", ("AuthenticAMD", 26), 0, 0),
+    ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n", ("AuthenticAMD", 25), 0, 1),  # no entry: the generic profile
+    ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n", ("GenuineIntel", 6), 1, 1),
+    ("processor\t: 0\nBogoMIPS\t: 50.00\n", ("", -1), 0, 1),  # no x86 fields (e.g. aarch64)
+])
+def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows, tmp_path, monkeypatch):
     from optimum_neuronx.backends.inductor import codegen as inductor_codegen, custom_kernels as inductor_kernels
     from optimum_neuronx.backends.inductor import tuning as tuning_table
 
@@ -315,10 +282,7 @@ def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows,
     path.write_text(cpuinfo)
     assert tuning_table.cpu_identity(str(path)) == identity
     monkeypatch.setattr(tuning_table, "cpu_identity", lambda: identity)
-    tuning = {"row_prefetch_locality": one_row, "rows_prefetch_locality": several_rows,
-              "float32_rows_piece_bytes": float32_pieces, "bfloat16_rows_piece_bytes": bfloat16_pieces,
-              "float32_row_block_bytes": float32_row_blocks,
-              "row_prefetch": row_prefetch, "row_swizzled_x": swizzled_x}
+    tuning = {"row_prefetch_locality": one_row, "rows_prefetch_locality": several_rows}
     assert tuning_table.kernel_tuning() == tuning
     # the kernel is compiled with them, Inductor's row reductions prefetch with the one-row hint, and exports
     # (and their compile-cache keys) carry them all
@@ -329,36 +293,17 @@ def test_kernel_tuning_follows_the_cpu(cpuinfo, identity, one_row, several_rows,
     assert source.index("OPTIMUM_NEURONX_KERNELS_COMMON_H") < source.index("aoti_torch_cpu_rows_matvec")
     assert f"#define OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY {one_row}\n" in source
     assert f"#define OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY {several_rows}\n" in source
-    assert f"#define OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES {float32_pieces}\n" in source
-    assert f"#define OPTIMUM_NEURONX_BFLOAT16_ROWS_PIECE_BYTES {bfloat16_pieces}\n" in source
-    assert f"#define OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES {float32_row_blocks}\n" in source
-    assert f"#define OPTIMUM_NEURONX_ROW_PREFETCH {row_prefetch}\n" in source
-    assert f"#define OPTIMUM_NEURONX_ROW_SWIZZLED_X {swizzled_x}\n" in source
     assert inductor_codegen.row_prefetch_locality() == one_row
     assert BACKEND.codegen_options()["kernel_tuning"] == tuning
     assert BACKEND.codegen_options()["row_prefetch_locality"] == one_row
 
 
-@pytest.mark.parametrize("identity, width", [(("AuthenticAMD", 26), 4096), (("AuthenticAMD", 25), 0), (("", -1), 0)])
-def test_one_row_width_limit_follows_the_cpu(identity, width, monkeypatch):
-    # On Zen 5 a single plain bfloat16 row wider than 4096 inputs is Inductor's multiply + sum (faster there than
-    # plain rows through the kernel: tuning.json's one_row_dot_width); everywhere else, and in float32, and at several rows,
-    # the kernel takes any width. (Tiled weights, Zen 5's own, go through the kernel at any width:
-    # test_tiled_weights.py; here the weights stay plain.)
-    from conftest import tune
+def test_the_tuning_table_names_only_known_constants():
+    # every CPU's entry overrides values the generic profile has: a misspelt name would silently do nothing
     from optimum_neuronx.backends.inductor import tuning
 
-    monkeypatch.setattr(tuning, "cpu_identity", lambda: identity)
-    tune(monkeypatch, weight_tile={})
-    for dtype in DTYPES:
-        if not BACKEND.dot_kernel_isa(dtype).startswith("avx512"):
-            continue
-        expected = width if dtype == torch.bfloat16 else 0
-        for batch in (1, 4):
-            lowering = BACKEND.kernels(dtype, batch_size=batch)
-            assert lowering.dot_one_row_width == expected and lowering.describe()["dot_one_row_width"] == expected
-            assert lowering.uses_dot_kernel(1, dtype, 4096) and lowering.uses_dot_kernel(4, dtype, 5632)
-            assert lowering.uses_dot_kernel(1, dtype, 5632) == (expected == 0)
-    limited = Lowering(dot_rows=4, dot_isa="avx2", dot_one_row_width=64)
-    assert limited.uses_dot_kernel(1, torch.float32, 64) and not limited.uses_dot_kernel(1, torch.float32, 65)
-    assert limited.uses_dot_kernel(2, torch.float32, 65) and limited.uses_dot_kernel(1, torch.float32)
+    generic = tuning.PROFILES["generic"]
+    assert set(generic) == {"weight_tile", *tuning.KERNEL_CONSTANTS}
+    for name, entry in tuning.PROFILES.items():
+        assert set(entry) <= set(generic), name
+        assert all(dtype in ("fp32", "bf16", "fp16") for dtype in entry.get("weight_tile", {})), name

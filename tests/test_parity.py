@@ -4,7 +4,6 @@ import contextlib
 import gc
 from dataclasses import replace
 import weakref
-import zipfile
 
 import pytest
 import torch
@@ -97,32 +96,6 @@ def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, reference_
     """
     input_ids, attention_mask = (t[1:] for t in left_padded_batch)  # 2 rows: lengths 9 and 14
     assert_bf16_logits_within_tolerance(bf16_llama, tiny_checkpoint, reference_model, input_ids, attention_mask)
-
-
-def test_bf16_batch_1_with_wide_rows_through_the_multiply_and_sum(tiny_checkpoint, reference_model,
-                                                                   left_padded_batch, monkeypatch):
-    # Where a CPU's one_row_dot_width says so (Zen 5, bfloat16), a single row wider than it is Inductor's
-    # multiply + sum and narrower ones the dot kernel, in one graph. Here the limit is set below the tiny llama's
-    # down projection (1088 inputs) and above its other projections (64).
-    import json
-
-    from optimum_neuronx.backends import get_backend
-
-    if not get_backend("inductor").dot_kernel_isa(torch.bfloat16).startswith("avx512"):
-        pytest.skip("the one-row width limit is for the AVX-512 kernel, which this CPU lacks")
-    tune(monkeypatch, one_row_dot_width={"bf16": 512}, weight_tile={})  # plain rows (tiles: test_tiled_weights.py)
-    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=1,
-                                                   sequence_length=32, context_buckets=[16], token_buckets=[32],
-                                                   auto_cast_type="bf16", compile_cache=False)
-    stamp = json.loads((model.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
-    assert stamp["lowering"]["dot_one_row_width"] == 512
-    with zipfile.ZipFile(model.artifact_dir / "model.pt2") as package:
-        wrapper = next(package.read(name).decode() for name in package.namelist()
-                       if name.endswith("token_32.wrapper.cpp"))
-    # definition + calls: QKV, O and gate/up in the layer loop, the LM head; not the down projection
-    assert wrapper.count("aoti_torch_cpu_rows_matvec(") == 1 + 4
-    input_ids, attention_mask = (t[2:] for t in left_padded_batch)  # the 14-token row
-    assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask)
 
 
 def test_bf16_logits_within_tolerance_with_heads_of_64(tmp_path, left_padded_batch, monkeypatch):
@@ -279,7 +252,7 @@ def test_weights_file_puts_whole_line_tensors_on_cache_lines(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from optimum_neuronx.artifacts import WEIGHTS_ALIGNMENT, save_weights
+    from optimum_neuronx.weights_io import WEIGHTS_ALIGNMENT, save_weights
 
     generator = torch.Generator().manual_seed(0)
     tensors = {
@@ -317,7 +290,7 @@ def test_packing_reads_the_weights_file_ahead_front_to_back(tmp_path, monkeypatc
     import threading
     import time
 
-    from optimum_neuronx import artifacts
+    from optimum_neuronx import weights_io as artifacts
 
     if not hasattr(os, "posix_fadvise"):
         pytest.skip("no posix_fadvise on this platform")

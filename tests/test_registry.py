@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from conftest import ARCHITECTURES, TINY_COMMON, TINY_CONFIGS
+from conftest import TINY_COMMON, TINY_CONFIGS
 from optimum_neuronx import NeuronConfig
 from optimum_neuronx.exporters import get_export_config, supported_model_types
 from optimum_neuronx.memory import GIB, check_fits_neuron_cores, estimate_memory, parameter_count

@@ -53,7 +53,7 @@ def test_save_and_reload_in_fresh_process(smollm2_tokenizer, smollm2_compiled, t
 
 def test_weights_stream_from_whole_cache_lines(smollm2_compiled):
     # Every SmolLM2 weight is a whole number of 64-byte lines, so every one, mapped from the file, starts on a line
-    # (artifacts.save_weights): the dot kernel's loads then never span two lines.
+    # (weights_io.save_weights): the dot kernel's loads then never span two lines.
     mapped = {name: t for name, t in smollm2_compiled._weights.items() if not t.is_mkldnn}  # packed: not from the file
     misaligned = {name: t.data_ptr() % 64 for name, t in mapped.items() if t.data_ptr() % 64}
     assert mapped and not misaligned

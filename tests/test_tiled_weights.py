@@ -131,17 +131,14 @@ def test_kernel_reads_tiles_as_linear_does(tiled_package, threads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lowering_tiles_decode_batches_where_tuned(dtype, monkeypatch):
     _avx512_kernel(dtype)
-    tune(monkeypatch, weight_tile={DTYPE_NAMES[dtype]: 32}, one_row_dot_width={DTYPE_NAMES[dtype]: 512})
+    tune(monkeypatch, weight_tile={DTYPE_NAMES[dtype]: 32})
     lowerings = [BACKEND.kernels(dtype, batch_size=b) for b in (1, 2, 4)]
     assert [lowering.weight_tile for lowering in lowerings] == [32, 32, 32]
-    # tiles are read at decode by the dot kernel alone: no width past which one row leaves it
-    assert [lowering.dot_one_row_width for lowering in lowerings] == [0, 0, 0]
     assert BACKEND.kernels(dtype, batch_size=5).weight_tile == 0  # oneDNN's packed weights past 4 rows
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32
     assert BACKEND.kernels(other, batch_size=1).weight_tile == 0
     tune(monkeypatch, weight_tile={})
     assert BACKEND.kernels(dtype, batch_size=4).weight_tile == 0
-    assert BACKEND.kernels(dtype, batch_size=1).dot_one_row_width == 512
 
 
 def test_project_routes_tiles_by_rows_and_refuses_rows_it_cannot_read():
@@ -154,11 +151,9 @@ def test_project_routes_tiles_by_rows_and_refuses_rows_it_cannot_read():
     for rows in (1, 4, 9):  # 1 and 4: rows_matvec; 9: past dot_rows and matvec_rows, tiled_linear
         x = torch.randn(1, rows, 24, generator=generator)
         torch.testing.assert_close(project(x, tiles, bias, lowering), torch.nn.functional.linear(x, weight, bias))
-    for narrow in (Lowering(dot_rows=1, matvec_rows=4, weight_tile=32),  # 3 rows: past the kernel, not past matvec
-                   Lowering(dot_rows=4, dot_one_row_width=16, matvec_rows=4, weight_tile=32)):  # one row too wide
-        rows = 3 if narrow.dot_rows == 1 else 1
-        with pytest.raises(ValueError, match=rf"a tiled weight needs the dot kernel for {rows} rows"):
-            project(torch.randn(rows, 24, generator=generator), tiles, None, narrow)
+    narrow = Lowering(dot_rows=1, matvec_rows=4, weight_tile=32)  # 3 rows: past the kernel, not past matvec
+    with pytest.raises(ValueError, match=r"a tiled weight needs the dot kernel for 3 rows"):
+        project(torch.randn(3, 24, generator=generator), tiles, None, narrow)
 
 
 def _tiled_export(checkpoint, dtype, batch_size, tile=32):
@@ -240,7 +235,7 @@ def test_bfloat16_tiles_export_within_bfloat16s_rounding(tiny_checkpoint, refere
 
     model = _tiled_export(tiny_checkpoint("llama"), torch.bfloat16, batch_size, tile=64)
     stamp = json.loads((model.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
-    assert stamp["lowering"]["weight_tile"] == 64 and stamp["lowering"]["dot_one_row_width"] == 0
+    assert stamp["lowering"]["weight_tile"] == 64
     with safe_open(str(model.artifact_dir / "model.safetensors"), "pt") as weights:
         down = weights.get_slice("layers.down_proj.weight")
         assert tuple(down.get_shape()) == (2, 1, 1088, 64) and down.get_dtype() == "BF16"

@@ -153,4 +153,5 @@ def test_kernel_harness_refuses_an_unknown_tuning_constant(harness):
 
     with pytest.raises(ValueError, match=r"unknown tuning constants \['row_speed'\]; the kernels take \["):
         kernel_defines("avx2", tuning_overrides={"row_speed": 1})
-    assert kernel_defines("avx2", tuning_overrides={"row_prefetch": 0})["OPTIMUM_NEURONX_ROW_PREFETCH"] == 0
+    defines = kernel_defines("avx2", tuning_overrides={"rows_prefetch_locality": 3})
+    assert defines["OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY"] == 3

@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 
-from optimum_neuronx.backends.inductor.backend import _forked_worker_setup
 from optimum_neuronx.backends.workers import COMPILE_WORKERS_ENV, compile_workers, map_in_workers
 
 needs_fork = pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")

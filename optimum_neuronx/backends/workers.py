@@ -1,8 +1,7 @@
 """Compile graphs side by side, one forked worker process per graph, up to one per core.
 
-Compiling one graph runs on one core: tracing and Inductor's lowering are single-threaded Python, then g++
-builds the graph's C++ (its wrapper alone takes ~11 s of template instantiation on a 2-core Zen 3, whatever the
-model's size). Workers are forked, so they share the decoder and its weights with this process: nothing is
+Compiling one graph runs on one core: tracing and lowering are single-threaded Python, then a C++ compiler builds
+the graph, whatever the model's size. Workers are forked, so they share the decoder and its weights with this process: nothing is
 copied or pickled but each graph's list of output files.
 """
 

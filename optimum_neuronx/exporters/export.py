@@ -10,14 +10,14 @@ from typing import Optional
 
 import torch
 
-from ..artifacts import (WEIGHTS_NAME, atomic_directory, copy_artifact_files, read_artifact, save_weights,
-                         write_neuron_config)
+from ..artifacts import WEIGHTS_NAME, atomic_directory, copy_artifact_files, read_artifact, write_neuron_config
 from ..cache import ENTRY_META, CacheKey, CompileCache, cache_key, weights_digest
 from ..backends import Backend, get_backend
 from ..configuration import GraphSpec, NeuronConfig
 from ..memory import check_fits_neuron_cores, estimate_memory
 from ..modeling.decoder import DecoderSpec, StaticDecoder
 from ..version import ARTIFACT_FORMAT_VERSION, __version__
+from ..weights_io import save_weights
 from .registry import get_export_config
 
 logger = logging.getLogger(__name__)

@@ -101,7 +101,9 @@ class Kernels:
         [B, 1, T * n_rep, W] (which hides the slots the new tokens go to); new_kv [2, B, KV, T, D] under `new_mask`
         [B, 1, T * n_rep, T].
         """
-        keys, values = (torch.cat((cached, new), dim=2) for cached, new in zip(cache_kv, new_kv))
+        # Indexed, not iterated: iterating a tensor traces to squeeze ops some lowerings (torch-mlir) lack.
+        keys = torch.cat((cache_kv[0], new_kv[0]), dim=2)
+        values = torch.cat((cache_kv[1], new_kv[1]), dim=2)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=torch.cat((cache_mask, new_mask), dim=-1),
                                               scale=scale)
 

@@ -98,12 +98,11 @@ class InductorBackend(Backend):
         dot_rows = DOT_KERNEL_ROWS if isa and batch_size >= DOT_KERNEL_MIN_BATCH[isa] else 0
         attention_kernel = bool(isa)
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
-        width = tuning.per_dtype("one_row_dot_width", dtype) if isa.startswith("avx512") else 0
         tile = tuning.per_dtype("weight_tile", dtype)
         tile = tile if TILED_ISA.get(dtype) == isa and batch_size <= dot_rows else 0
         # Tiles are read at decode by the dot kernel alone, at every width
         return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "",
-                        dot_one_row_width=width if dot_rows and not tile else 0, matvec_rows=4,
+                        matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
                         attention_kernel=attention_kernel, causal_block=128,
                         weight_tile=tile)

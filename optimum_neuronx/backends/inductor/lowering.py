@@ -24,11 +24,9 @@ class Lowering(Kernels):
     """The inductor backend's kernels for the decoder (modeling/decoder.py `Kernels`), chosen per export.
 
     dot_rows: bfloat16 or float32 projections over at most `dot_rows` rows are `rows_matvec` (ops.py), for which
-        the backend compiles its own kernel (`uses_dot_kernel`), of any input width (but see dot_one_row_width):
-        the kernel cuts wide input rows into pieces that stay in cache.
+        the backend compiles its own kernel (`uses_dot_kernel`), of any input width: the kernel cuts wide input rows
+        into pieces that stay in cache.
     dot_isa: the instruction set that kernel is compiled for (the backend's name, e.g. "avx512"; "" without it).
-    dot_one_row_width: when > 0, a single row wider than this many inputs is not `rows_matvec` but the multiply +
-        sum below (the backend measured that loop faster there; `uses_dot_kernel`).
     matvec_rows: other projections over at most this many rows are one multiply + sum per row (`project`).
     gemm_dtype: dtype the other projections compute in (None: the input's).
     onednn: the other projections go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`).
@@ -49,7 +47,6 @@ class Lowering(Kernels):
 
     dot_rows: int = 0
     dot_isa: str = ""
-    dot_one_row_width: int = 0
     matvec_rows: int = 0
     gemm_dtype: torch.dtype | None = None
     onednn: bool = False
@@ -65,10 +62,8 @@ class Lowering(Kernels):
         packed (past the dot kernel's rows), which happens per layer: a packed weight cannot be stacked or sliced."""
         return self.packed_rows <= self.dot_rows
 
-    def uses_dot_kernel(self, rows: int, dtype: torch.dtype, width: int = 0) -> bool:
-        """Whether a projection of `rows` rows of `width` inputs (0: any) is `rows_matvec`."""
-        if rows == 1 and 0 < self.dot_one_row_width < width:
-            return False
+    def uses_dot_kernel(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a projection of `rows` rows of `dtype` is `rows_matvec`."""
         return dtype in ROWS_MATVEC_DTYPES and rows <= self.dot_rows
 
     def for_layers(self) -> "Lowering":
@@ -77,12 +72,11 @@ class Lowering(Kernels):
         return replace(self, matvec_rows=0) if self.packed_rows else self
 
     def for_lm_head(self, tied: bool) -> "Lowering":
-        # A tied LM head is the embedding table, which the embedding lookup reads plainly: never packed. (A
-        # packed copy of its own measured no faster: SmolLM2, batch 4.)
+        # A tied LM head is the embedding table, which the embedding lookup reads plainly: never packed.
         return replace(self, packed_rows=0) if tied else self.for_layers()
 
     def describe(self) -> dict:
-        return {"dot_rows": self.dot_rows, "dot_isa": self.dot_isa, "dot_one_row_width": self.dot_one_row_width,
+        return {"dot_rows": self.dot_rows, "dot_isa": self.dot_isa,
                 "matvec_rows": self.matvec_rows,
                 "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."), "onednn": self.onednn,
                 "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens,
@@ -144,7 +138,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     rows = x.numel() // x.shape[-1]
     tiled = weight.dim() == 3  # Lowering.weight_tile: [N / T, K, T]
     outputs = weight_outputs(weight)
-    if lowering.uses_dot_kernel(rows, x.dtype, x.shape[-1]) and weight.dtype == x.dtype:
+    if lowering.uses_dot_kernel(rows, x.dtype) and weight.dtype == x.dtype:
         out = rows_matvec(x.reshape(rows, x.shape[-1]), weight)
         if bias is not None:
             out = out + bias

@@ -4,15 +4,11 @@ A CPU is named by its vendor and family (`cpu_identity`); its entry overrides so
 which every other CPU gets. Every value is stamped into exports, so a changed table never reuses a cached compile.
 
 weight_tile          dtype -> outputs per tile of the projection weights at decode batches 1-4 (0: plain rows)
-one_row_dot_width    dtype -> widest single decode row the dot kernel takes (0: any); wider ones are multiply + sum
 row_prefetch_locality, rows_prefetch_locality
                      __builtin_prefetch's locality for weights streamed against one / several rows of input
-float32_rows_piece_bytes, bfloat16_rows_piece_bytes
-                     > 0: several rows of x in pieces of at most that many bytes, one weight row at a time
-float32_row_block_bytes
-                     > 0: one float32 row of x longer than that in blocks of 4 weight rows
-row_prefetch         1: the dot kernel prefetches the weights it takes one row at a time
-row_swizzled_x       dtypes (1 float32, 2 bfloat16, 3 both) whose row of x the dot kernel keeps out of line order
+                     (0 non-temporal, 1-3 into L2 .. L1)
+
+A value earns its entry with >= 5% on benchmarks/bench_generate.py (docs/performance.md, "The tuning table").
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ import torch
 
 TUNING_FILE = Path(__file__).with_name("kernels") / "tuning.json"
 # The values compiled into the C++ kernels, as OPTIMUM_NEURONX_<NAME> (custom_kernels.c_shim_options).
-KERNEL_CONSTANTS = ("row_prefetch_locality", "rows_prefetch_locality", "float32_rows_piece_bytes",
-                    "bfloat16_rows_piece_bytes", "float32_row_block_bytes", "row_prefetch", "row_swizzled_x")
+KERNEL_CONSTANTS = ("row_prefetch_locality", "rows_prefetch_locality")
 # How far ahead of a weight row's current vector a software prefetch reaches (Inductor's loops and ours).
 ROW_PREFETCH_BYTES = 8192
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -67,7 +62,7 @@ def cpu_profile() -> dict:
 
 
 def per_dtype(name: str, dtype: torch.dtype) -> int:
-    """A per-dtype value of this CPU's profile (`weight_tile`, `one_row_dot_width`); 0 where it names none."""
+    """A per-dtype value of this CPU's profile (`weight_tile`); 0 where it names none."""
     return cpu_profile()[name].get(_DTYPE_NAMES.get(dtype, ""), 0)
 
 

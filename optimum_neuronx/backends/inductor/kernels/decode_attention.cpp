@@ -9,11 +9,9 @@
 // per query head and split the work into ~15 loops, each ending in a barrier of all threads. Rows are taken
 // kLanes at a time: a block of keys (bfloat16 widened once) gives each query row one vector of kLanes scores, and
 // a block of values is added into sums held in registers; both are prefetched two blocks ahead, since a step's
-// weights have pushed the cache out of the CPU's caches since the step before. Against one row at a time (each
-// dot product summed across its lanes alone; each value row added into sums in memory): 0.73-0.79x the time,
-// SmolLM2's batch-4 shape, Zen 3. A whole block's masked scores as one vector, a cache's back-to-back rows
-// prefetched a line at a time and the softmax's maximum taken lane by lane: SmolLM2's batch-4 token graphs 1.03x
-// (float32) and 1.014x (bfloat16) faster on Zen 5. Of the window, only the keys some row sees are read
+// weights have pushed the cache out of the CPU's caches since the step before (one row at a time would sum each
+// dot product across its lanes alone and add each value row into sums in memory). A whole block's masked scores
+// are one vector, and the softmax's maximum is taken lane by lane. Of the window, only the keys some row sees are read
 // (seen_window). On AVX-512, keys and values whose rows are 64 or 128 elements back to back take their own loops
 // (DenseRows below; bfloat16 with avx512_bf16): every row at a fixed offset, no float32 copy of a bfloat16 block.
 //
@@ -226,9 +224,8 @@ OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline void add_
 
 // out[r * d + i0 + e] += sum_j weights[r * stride + j] * value[j][i0 + e] (e < kVectors * kLanes, r < kRows,
 // j < count): the sums held in registers across the block's rows. Each line of a value row is loaded once for the
-// kRows rows, whose sums are independent chains of multiply-adds. One row at a time left each vector of sums a
-// chain of `count` dependent multiply-adds: SmolLM2's 3 rows took 1.4-1.6x the time (C harness, Zen 5), its
-// batch-4 token graphs 1.08x (bfloat16) and 1.05x (float32).
+// kRows rows, whose sums are independent chains of multiply-adds (one row at a time would leave each vector of sums
+// a chain of `count` dependent multiply-adds).
 template <int kRows, int kVectors>
 OPTIMUM_NEURONX_ATTENTION_TARGET __attribute__((always_inline)) inline void add_weighted(
     float* __restrict out, int64_t d, const float* const (&value)[kLanes], const float* __restrict weights,
@@ -333,14 +330,12 @@ OPTIMUM_NEURONX_ATTENTION_TARGET void softmax_weights(float* __restrict scores, 
 #if OPTIMUM_NEURONX_DOT_AVX512
 // Keys and values whose rows are kD elements back to back (a cache window; a single new token) on AVX-512: float32,
 // and bfloat16 where the CPU has avx512_bf16. part_scores and part_values take each block of rows through 16 row
-// pointers (bfloat16: a float32 copy of the block, read back once per query row): on Zen 4 that took ~60 cycles a
-// bfloat16 key at SmolLM2's batch-4 shape with the cache in L2. Here every row is at a fixed offset from the block's
+// pointers (bfloat16: a float32 copy of the block, read back once per query row). Here every row is at a fixed
+// offset from the block's
 // start; a bfloat16 key is multiplied straight from the cache by vdpbf16ps against the query rows rounded once to
 // bfloat16 (as Transformers' bfloat16 attention has them; the products and their sums stay float32), a float32 key
 // by the same multiply-adds as part_scores; each value row is widened in registers (bfloat16) and added into float32
-// sums exactly as part_values does. C harness, SmolLM2's 30 layers at batch 4 (Zen 4, 2 threads), bfloat16: 1259 ->
-// 671 us a step from memory, 914 -> 361 us from L2; at batch 1 389 -> 221 us (docs/performance.md, "Decode
-// attention on bfloat16 rows").
+// sums exactly as part_values does.
 #if OPTIMUM_NEURONX_DOT_BF16_NATIVE
 #define OPTIMUM_NEURONX_DENSE_ROWS_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16"), optimize("O3")))
 #else
@@ -394,8 +389,7 @@ struct DenseRows {
   }
 
   // Scores of one part, as part_scores: scores[r * stride + j] = query[r] . keys[j] + mask[r, j]; `query` rows x kD
-  // (bfloat16: rounded). The keys are prefetched into L2 (from L1 with part_scores' hint: bfloat16 1.17x slower
-  // from memory, same harness), the block's values into L2 for add_values.
+  // (bfloat16: rounded). The keys and the block's values are prefetched into L2 (add_values reads the values).
   OPTIMUM_NEURONX_DENSE_ROWS_TARGET static void scores(const Element* __restrict query, int64_t rows,
                                                        const Element* __restrict keys, const Element* __restrict mask,
                                                        const int64_t* mask_strides, int64_t length,

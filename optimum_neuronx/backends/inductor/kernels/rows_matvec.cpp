@@ -7,52 +7,24 @@
 // does below, and two multiply-adds). AVX2: two 8-lane fused
 // multiply-adds per 64-byte line of float32; a line of bfloat16 is widened to float32 by a shift and a mask
 // (even and odd elements) and takes four, against x stored widened in that order. Inductor's own multiply + sum
-// spends ~40 instructions per line at 4 bfloat16 rows (conversions, separate multiplies and adds) and cannot keep
-// up with memory; oneDNN keeps up but spends ~14 us per call outside its kernel, a fifth of a SmolLM2 step at
-// batch 4.
+// spends many more instructions per line at several bfloat16 rows and cannot keep up with memory; oneDNN keeps up
+// but costs more per call outside its kernel than a decode projection takes.
 //
 // This file is spliced into the C++ wrapper of each graph that calls the op, inside `extern "C" { extern "C++"
 // { ... } }`, so the compiled graph carries its own copy and loading it needs no extra library. The wrapper
-// is compiled at -O1: the hot functions ask for -O3 themselves. OPTIMUM_NEURONX_ROW_PREFETCH_BYTES,
-// OPTIMUM_NEURONX_DOT_AVX512 (1: the AVX-512 variant, 0: AVX2; the export's target names what it needs),
-// OPTIMUM_NEURONX_DOT_BF16_NATIVE (AVX-512: 1, bfloat16 through avx512_bf16's dot products; 0, widened),
-// OPTIMUM_NEURONX_DOT_PIECE_BYTES (-1: each variant's own kPieceBytes; tests set it to cut rows into pieces where
-// the variant takes them whole), OPTIMUM_NEURONX_DOT_CHUNK_BYTES (0: kChunkBytes' default; tests set it to hand out
-// one block at a time), OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY and OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the
-// weights' prefetch hint at one and at several rows of x), OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES (AVX-512
-// float32 at several rows: 0, blocks; else pieces, see Float32Lines), OPTIMUM_NEURONX_BFLOAT16_ROWS_PIECE_BYTES
-// (the same for avx512_bf16's bfloat16 rows past kShortRowsBytes), OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES
-// (AVX-512 float32 at one row: one longer than this many bytes in blocks of weight rows; 0, never),
-// OPTIMUM_NEURONX_ROW_PREFETCH (AVX-512 at one whole row: 0, no prefetch) and OPTIMUM_NEURONX_ROW_SWIZZLED_X
-// (AVX-512 at one row, the dtypes whose x's lines are kept out of order, see x_line_slot: 1 float32, 2 bfloat16,
-// 3 both) are defined in front of this file.
+// is compiled at -O1: the hot functions ask for -O3 themselves. Defined in front of this file
+// (custom_kernels.kernel_defines): OPTIMUM_NEURONX_ROW_PREFETCH_BYTES, OPTIMUM_NEURONX_DOT_AVX512 (1: the AVX-512
+// variant, 0: AVX2), OPTIMUM_NEURONX_DOT_BF16_NATIVE (AVX-512: 1, bfloat16 through avx512_bf16's dot products; 0,
+// widened), OPTIMUM_NEURONX_DOT_PIECE_BYTES (-1: each variant's own kPieceBytes; tests set it to cut rows into
+// pieces where the variant takes them whole), OPTIMUM_NEURONX_DOT_CHUNK_BYTES (0: kChunkBytes' default; tests set
+// it to hand out one block at a time), OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY and
+// OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY (the weights' prefetch hint at one and at several rows of x, per CPU:
+// kernels/tuning.json).
 #include "common.h"
 
 namespace optimum_neuronx_kernels {
 
 constexpr int kMaxRows = 4;  // rows of x per pass over the weight (one accumulator each per weight row)
-
-// One row of x may be kept with its lines out of order (Lines::kRowSwizzledX): line l of each group of
-// kSwizzleLines at slot (5 l + the group's number) mod kSwizzleLines of its group, an order that differs from group
-// to group, while the weights are still read front to back. On Zen 4, one row of bfloat16 x read in order beside
-// the weights streamed 0.88x as fast as a plain read of them in fast memory phases; with x's lines in this order
-// (or in a random one, through a table) 1.13-1.19x faster, at the plain read's rate (C harness, docs/performance.md,
-// "x's lines out of order"); float32 rows of at most 16 KiB, without a prefetch, 1.06-1.08x (SmolLM2's shapes and
-// the 1.1B shape's of 2048 inputs; slow phases 0.98-1.04x). Several rows of x gained nothing there (0.95-1.02x). On
-// Zen 5, with the prefetch, bfloat16 (the 1.1B shape's rows) 1.03x with the CPUs apart, float32 0.97x.
-constexpr int64_t kSwizzleLines = 8;
-// OPTIMUM_NEURONX_ROW_SWIZZLED_X's bits: the dtypes whose one row of x is kept out of order (Lines::kRowSwizzledX).
-constexpr int kSwizzledFloat32 = 1, kSwizzledBFloat16 = 2;
-
-inline int64_t x_line_slot(int64_t l) {
-  return (l & ~(kSwizzleLines - 1)) | ((l * 5 + l / kSwizzleLines) & (kSwizzleLines - 1));
-}
-
-// Whether `rows` rows of x are kept with their lines out of order (x_line_slot).
-template <typename Lines>
-constexpr bool swizzled_x(int64_t rows) {
-  return rows == 1 && Lines::kRowSwizzledX;
-}
 
 // Lines that keep x as it is: copy_x_row copies one row of x into the kernel's buffer, zero-padded to k_padded
 // elements. (The AVX2 bfloat16 lines keep x widened instead, with their own copy_x_row.)
@@ -86,29 +58,10 @@ inline void widen_x_tail(float* dst, const uint16_t* x, int64_t i, int64_t k, in
 // it (copy_x_row: x's row into that form, zero-padded to whole lines), and load_x, one line of it for
 // multiply_add; store, a float32 sum rounded to an element; lines_per_step (below).
 // kBlockRows: weight rows per block for several rows of x (dot_block) longer than kShortRowsBytes (all rows, as
-// the kernel keeps them); shorter ones, and one row, take one weight row at a time. AVX-512, both variants in one
-// process taking turns (C harness, Zen 5, 4 rows) unless said otherwise:
-// - Short rows: a weight row's loads of x come from L1, and single weight rows make one stream per thread where a
-//   block makes 4. bfloat16 (Zen 4, SmolLM2's batch-4 token graph): blocks 4-7% slower. float32: SmolLM2's
-//   projections (576 and 1536 inputs) one weight row at a time 1.04-1.05x faster in a fast memory phase, 1.00x in
-//   a slow one, but its batch-4 token graph no faster (0.98x, 1.02x in two runs of 12-20 rounds): float32 keeps
-//   blocks at every length (a block loads each line of x once per 4 weight lines, for 4 multiply-adds of 16 lanes).
-// - Long rows: x no longer stays in L1 next to the streaming weights. The 1.1B shape's float32 projections of 2048
-//   inputs (32 KiB at 4 rows) one weight row at a time 1.03x slower than blocks, of 5632 (88 KiB) 1.40x slower;
-//   its bfloat16 down projection (5632, 45 KiB) in blocks 1.15x (slow phase) / 1.04x (fast) faster than in pieces
-//   of 24 KiB, and the batch-4 bfloat16 token graph 1.08x faster. On Zen 4 both go the other way (kRowsPieceBytes):
-//   float32 in pieces of 16 KiB, the 1.1B shape's 4-row projections 1.09x faster, its token graph ~1.1x; bfloat16
-//   in pieces of 24 KiB (2 for 5632 inputs) and chunks of kPiecedChunkBytes, the down projection 1.36x faster than
-//   in blocks in fast memory phases (48.7 against 35.7 GB/s, 0.83x a plain read against 0.61x; slow phases 1.02x),
-//   the 4-row projections of a whole step 1.12x (pieces of 16 and 20 KiB streamed slower than 24).
-// At 2 or 3 rows not measured. One row takes one weight row at a time (~10% faster than blocks, Zen 4), except
-// float32 rows longer than kRowBlockBytes (> 0 where measured faster): blocks of kRowBlockRows weight rows, the next
-// block prefetched into L2 (Float32Lines).
-// kPieceBytes: the most bytes of one row of x one pass over the weight rows takes (piece_columns; 0: whole rows);
-// kRowsPieceBytes the same for several rows, which are taken whole where the variant has blocks. AVX-512, measured
-// on the 1.1B shape's projections (22 layers of each from memory, 2 threads, a slow memory phase, ~32 GB/s; Zen 4):
-// 4 bfloat16 rows of 5632 (45 KiB) whole, one weight row at a time, streamed at 0.64x one row of x, in pieces of at
-// most 24 KiB 0.98x.
+// the kernel keeps them): a block loads each line of x once per kBlockRows weight lines, which keeps long rows of x
+// from being re-read from beyond L1 for every weight row. Shorter rows, and one row, take one weight row at a time.
+// kPieceBytes: the most bytes of one row of x one pass over the weight rows takes (piece_columns; 0: whole rows), so
+// that a long row stays in L1 next to the streaming weights.
 #if OPTIMUM_NEURONX_DOT_AVX512
 struct Avx512Lanes : PlainX {
   using Acc = __m512;
@@ -122,9 +75,7 @@ struct Avx512Lanes : PlainX {
     asm("" : "+v"(value));
   }
   // A block of 4 weight rows x 4 rows of x has its 16 sums reduced together by sum16 and stored 4 at a time
-  // (store_4x4), where each of the 16 takes ~8 instructions
-  // alone. Zen 5, 4 float32 rows of 576, weights in L1: 2.1 cycles per weight line against 3.0 (2.4 with
-  // keep_in_register alone); SmolLM2's float32 batch-4 token graph 1.05x faster.
+  // (store_4x4), where each of the 16 takes ~8 instructions alone.
   // sum16: lane j is the sum of v[j]'s lanes; a transposed tree, 30 shuffles and 15 adds.
   __attribute__((target("avx512f"), always_inline)) static inline __m512 sum16(const Acc (&v)[16]) {
     __m512 pairs[8], quads[4], halves[2];
@@ -161,22 +112,12 @@ struct Avx512Lanes : PlainX {
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) __builtin_memcpy(p + r * stride, &rows[r], sizeof(rows[r]));
   }
-  // Independent chains of multiply-adds (one per accumulator): vdpbf16ps takes 6 cycles on Zen 4, a float32
-  // multiply-add 4, so fewer than ~8 chains leave the core idle between lines. C harness, 2 threads, SmolLM2's
-  // projections from memory, Zen 4: bfloat16 4 rows 1.1-1.4x (2 lines per step against 1), 1 row 1.05x; the 1.1B
-  // shape at 1 row within 2%. Up to 16 chains (at most 4 lines): on Zen 5 4 bfloat16 rows with weights in cache
-  // streamed 1.07x faster at 4 lines per step than at 2 (C harness) and the batch-4 token steps took 0.97x (1.1B
-  // shape) and 0.99x (SmolLM2) the time; 1 row kept 4 (8 streamed 0.8x).
+  // Independent chains of multiply-adds (one per accumulator): with fewer than ~8 (vdpbf16ps takes 6 cycles, a
+  // float32 multiply-add 4) the core idles between lines, so several lines go per step, up to 16 chains.
   static constexpr int lines_per_step(int accumulators) {
     return accumulators >= 16 ? 1 : 16 / accumulators < 4 ? 16 / accumulators : 4;
   }
-  static constexpr int kBlockRows = 4;
-  static constexpr int64_t kRowsPieceBytes = 0;  // several rows of x: in blocks, whole
-  // One row of x, whole: whether to prefetch the weights (add_line; inductor_kernels.py's ROW_PREFETCH, not on
-  // Zen 4), and whether x's lines are kept out of order (kRowSwizzledX, each Lines its own bit of ROW_SWIZZLED_X:
-  // 1 float32, 2 bfloat16; both on Zen 4, bfloat16 on Zen 5; x_line_slot).
-  static constexpr bool kRowPrefetch = OPTIMUM_NEURONX_ROW_PREFETCH != 0;
-  static constexpr int64_t kRowBlockBytes = 0;  // one row of x: one weight row at a time
+  static constexpr int kBlockRows = 4;  // several rows of x past kShortRowsBytes: blocks of 4 weight rows
 };
 
 #if OPTIMUM_NEURONX_DOT_BF16_NATIVE
@@ -186,15 +127,8 @@ struct BFloat16Lines : Avx512Lanes {
   using Vector = __m512bh;
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
-  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & kSwizzledBFloat16) != 0;
   static constexpr int64_t kShortRowsBytes = 24576;
   static constexpr int64_t kPieceBytes = 24576;
-  // Several rows of x longer than kShortRowsBytes: blocks of 4 weight rows with x's rows whole (0, the default), or,
-  // where measured faster (OPTIMUM_NEURONX_BFLOAT16_ROWS_PIECE_BYTES > 0, per CPU: inductor_kernels.py), one weight
-  // row at a time with x in pieces of at most that many bytes (all rows together), as float32 does (Float32Lines).
-  // Shorter rows fit one piece and take one weight row at a time either way.
-  static constexpr int64_t kRowsPieceBytes = OPTIMUM_NEURONX_BFLOAT16_ROWS_PIECE_BYTES;
-  static constexpr int kBlockRows = kRowsPieceBytes > 0 ? 1 : 4;
   __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline Vector load(const Element* p) {
     return (Vector)_mm512_loadu_si512(p);
   }
@@ -223,7 +157,6 @@ struct BFloat16Lines : Avx512Lanes {
   };
   using XLine = Vector;  // a line of x as two halves in the weights' order
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
-  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & kSwizzledBFloat16) != 0;
   static constexpr int64_t kShortRowsBytes = 0;  // x is float32 here: blocks at every length, as Float32Lines
   static constexpr int64_t kPieceBytes = 0;
   using Avx512Lanes::keep_in_register;
@@ -271,20 +204,8 @@ struct Float32Lines : Avx512Lanes {
   using Vector = __m512;
   using XLine = __m512;
   static constexpr int64_t kLine = kLineBytes / sizeof(Element);
-  static constexpr bool kRowSwizzledX = (OPTIMUM_NEURONX_ROW_SWIZZLED_X & kSwizzledFloat32) != 0;
-  static constexpr int64_t kShortRowsBytes = 0;  // blocks at every length, where there are blocks (below)
+  static constexpr int64_t kShortRowsBytes = 0;  // blocks at every length
   static constexpr int64_t kPieceBytes = 0;
-  // Several rows of x: blocks of 4 weight rows with x's rows whole (0, the default), or, where measured faster
-  // (OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES > 0, per CPU: inductor_kernels.py), one weight row at a time with x in
-  // pieces of at most that many bytes, which stay in L1 next to the one stream of weights.
-  static constexpr int64_t kRowsPieceBytes = OPTIMUM_NEURONX_FLOAT32_ROWS_PIECE_BYTES;
-  static constexpr int kBlockRows = kRowsPieceBytes > 0 ? 1 : 4;
-  // One row of x longer than this many bytes (> 0, per CPU: inductor_kernels.py): blocks of weight rows, whose x
-  // loads from L1 serve 4 weight lines each and whose next block is prefetched into L2. On Zen 4 the 1.1B shape's
-  // down projection (5632 inputs, 22 KiB) one weight row at a time streamed at 0.70x a plain read of its weights
-  // (fast memory phases: x no longer stays in L1 beside the stream), in blocks of 4 1.39x faster (C harness, 2
-  // threads); rows of 2048 inputs (8 KiB) 1.05x in blocks, 1.08x one at a time without prefetch, x out of order.
-  static constexpr int64_t kRowBlockBytes = OPTIMUM_NEURONX_FLOAT32_ROW_BLOCK_BYTES;
   __attribute__((target("avx512f"), always_inline)) static inline Vector load(const Element* p) {
     return _mm512_loadu_ps(p);
   }
@@ -313,10 +234,8 @@ struct Float32Lines : Avx512Lanes {
 
 // AVX2: 16 vector registers of 8 float32 lanes. A 64-byte line takes two accumulators (float32: its halves;
 // bfloat16: its even and its odd elements), so chains are counted in pairs, and one weight row at a time keeps
-// a block's accumulators in registers (4 rows of x: 8). Whole rows of x (no pieces), for both element types: on
-// Zen 3 (2 threads, token graphs at batch 4, alternating exports) pieces of at most 16 KiB (half of L1) ran the
-// 1.1B shape's step 1.20x (bfloat16) and 1.14x (float32) slower; SmolLM2's within a few percent either way. The
-// 1.1B shape's projections are 8-46 MB, and each piece of a row starts a new stream the prefetchers must find.
+// a block's accumulators in registers (4 rows of x: 8). Whole rows of x (no pieces), for both element types: each
+// piece of a row would start a new stream the hardware prefetchers must find.
 struct Avx2Lanes : PlainX {
   struct Acc {
     __m256 a, b;
@@ -335,12 +254,10 @@ struct Avx2Lanes : PlainX {
   }
   template <typename Value>
   static inline void keep_in_register(Value&) {}
-  // 4-cycle multiply-adds, two per cycle on Zen 3: ~8 chains, i.e. 4 line accumulators, keep it busy.
+  // 4-cycle multiply-adds, two per cycle: ~8 chains, i.e. 4 line accumulators, keep it busy.
   static constexpr int lines_per_step(int accumulators) { return accumulators >= 3 ? 1 : accumulators >= 2 ? 2 : 4; }
   static constexpr int kBlockRows = 1;  // no blocks: kShortRowsBytes is not read
-  static constexpr int64_t kPieceBytes = 0, kRowsPieceBytes = 0, kRowBlockBytes = 0;
-  static constexpr bool kRowPrefetch = true;
-  static constexpr bool kRowSwizzledX = false;
+  static constexpr int64_t kPieceBytes = 0;
   using XElement = float;
   using XLine = const float*;
   __attribute__((target("avx2,fma"), always_inline)) static inline XLine load_x(const float* x) { return x; }
@@ -423,8 +340,8 @@ struct BFloat16Lines : Avx2Lanes {
 #endif
 
 // Adds one 64-byte line of C weight rows (from column i; only its first k - i elements when kTail) times R rows
-// of x (k_padded elements apart, column i at x + i: in pieces, dot_rows passes each piece's rows and their spacing;
-// one row's lines at x_line_slot where swizzled_x) to acc[c][r]. kPieces: the
+// of x (k_padded elements apart, column i at x + i: in pieces, dot_rows passes each piece's rows and their spacing)
+// to acc[c][r]. kPieces: the
 // rows are read a piece at a time (dot_rows), and the prefetch reaches `ahead` elements past each line: into the
 // same piece of a later row.
 template <typename Lines, int R, int C, bool kTail, bool kPieces>
@@ -436,24 +353,20 @@ OPTIMUM_NEURONX_DOT_TARGET __attribute__((always_inline)) inline void add_line(
   typename Lines::Vector w[C];
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) {
-    // Weights are read once per step, so prefetches keep memory busy. One whole row: `ahead` elements further
-    // (inductor_codegen.py measured the distance for Inductor's own loops). A block of whole rows: the next
-    // block, front to back, C lines per step (a few KiB ahead in each row pointed into this block). The hint:
-    // OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY for one weight row at a time against one row of x,
-    // OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY for blocks and several rows; both depend on the CPU
-    // (inductor_kernels.py), as does whether one weight row at a time against one whole row of x prefetches at all
-    // (Lines::kRowPrefetch).
-    if (!kTail && (R > 1 || C > 1 || kPieces || Lines::kRowPrefetch))
+    // Weights are read once per step, so prefetches keep memory busy. One whole row: `ahead` elements further. A
+    // block of whole rows: the next block, front to back, C lines per step. The hint depends on the CPU:
+    // OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY for one weight row against one row of x, else
+    // OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY.
+    if (!kTail)
       __builtin_prefetch(C == 1 || kPieces ? row + c * k + i + ahead : row + C * k + C * i + c * line, 0,
                          R == 1 && C == 1 ? OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY
                                           : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY);
     w[c] = kTail ? Lines::load_first(row + c * k + i, k - i) : Lines::load(row + c * k + i);
     if (R > 1) Lines::keep_in_register(w[c]);
   }
-  const int64_t x_at = swizzled_x<Lines>(R) ? x_line_slot(i / line) * line : i;
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    typename Lines::XLine xr = Lines::load_x(x + r * k_padded + x_at);  // zero past k: masked-off weights multiply zeros
+    typename Lines::XLine xr = Lines::load_x(x + r * k_padded + i);  // zero past k: masked-off weights multiply zeros
     if (C > 1) Lines::keep_in_register(xr);
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[c][r] = Lines::multiply_add(acc[c][r], w[c], xr);
@@ -536,16 +449,16 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_piece(const typename Lines::Element* __restr
                                     y);
 }
 
-// Input columns per piece for R rows of k: as few pieces as keep to Lines::kPieceBytes (one row) or
-// Lines::kRowsPieceBytes (several rows) each (all R rows together), of even size in whole 64-byte lines; at least k
-// (whole rows, no partial sums) where that is 0, and for several rows where Lines has blocks (dot_rows). One weight
+// Input columns per piece for R rows of k: as few pieces as keep to Lines::kPieceBytes (one row; several rows only
+// with the tests' OPTIMUM_NEURONX_DOT_PIECE_BYTES) each (all R rows together), of even size in whole 64-byte lines;
+// at least k (whole rows, no partial sums) where that is 0, and for several rows where Lines has blocks (dot_rows). One weight
 // row at a time reads the input rows once per weight row, so they must stay in L1 next to the streaming weights:
 // each piece is then done for all weight rows of a thread before the next, its float32 sums kept in `partial`.
 template <typename Lines>
 int64_t piece_columns(int rows, int64_t k) {
   constexpr int64_t line = Lines::kLine;
   const int64_t bytes = OPTIMUM_NEURONX_DOT_PIECE_BYTES >= 0 ? OPTIMUM_NEURONX_DOT_PIECE_BYTES
-                        : rows > 1                            ? Lines::kRowsPieceBytes
+                        : rows > 1                            ? 0
                                                               : Lines::kPieceBytes;
   if (bytes == 0 || (rows > 1 && Lines::kBlockRows > 1)) return k;
   int64_t most = bytes / (rows * int64_t(sizeof(typename Lines::XElement))) / line * line;
@@ -554,23 +467,19 @@ int64_t piece_columns(int rows, int64_t k) {
   return ((k + pieces - 1) / pieces + line - 1) / line * line;
 }
 
-constexpr int kRowBlockRows = 4;  // weight rows per block at one row of x (Lines::kRowBlockBytes)
-
-// The weight rows per block dot_rows may take for R rows of x: Lines::kBlockRows at several rows, kRowBlockRows at
-// one where Lines::kRowBlockBytes > 0 (1: one weight row at a time).
+// The weight rows per block dot_rows may take for R rows of x: Lines::kBlockRows at several rows, else one.
 template <typename Lines, int R>
 constexpr int block_rows() {
-  return R > 1 ? Lines::kBlockRows : Lines::kRowBlockBytes > 0 ? kRowBlockRows : 1;
+  return R > 1 ? Lines::kBlockRows : 1;
 }
 
-// Weight rows per block for R rows of x, each k_padded elements, taken whole or not (dot_rows): block_rows for
-// several rows longer than Lines::kShortRowsBytes and one whole row longer than Lines::kRowBlockBytes, else 1.
+// Weight rows per block for R rows of x, each k_padded elements (dot_rows): block_rows for several rows longer than
+// Lines::kShortRowsBytes, else 1.
 template <typename Lines, int R>
-int64_t weight_rows_per_block(int64_t k_padded, bool whole) {
+int64_t weight_rows_per_block(int64_t k_padded) {
   constexpr int kBlock = block_rows<Lines, R>();
   if constexpr (kBlock > 1) {
-    const int64_t x_bytes = R * k_padded * int64_t(sizeof(typename Lines::XElement));
-    if (R > 1 ? x_bytes > Lines::kShortRowsBytes : whole && x_bytes > Lines::kRowBlockBytes) return kBlock;
+    if (R * k_padded * int64_t(sizeof(typename Lines::XElement)) > Lines::kShortRowsBytes) return kBlock;
   }
   return 1;
 }
@@ -584,7 +493,7 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restri
   constexpr int64_t row_ahead = OPTIMUM_NEURONX_ROW_PREFETCH_BYTES / sizeof(typename Lines::Element);
   constexpr int kBlock = block_rows<Lines, R>();
   if constexpr (kBlock > 1) {
-    if (weight_rows_per_block<Lines, R>(k_padded, piece >= k) > 1) {
+    if (weight_rows_per_block<Lines, R>(k_padded) > 1) {
       dot_piece<Lines, R, kBlock, false>(weight, x, k, k_padded, n_out, n_begin, n_end, 0, k, row_ahead, true, true,
                                          nullptr, y);
       return;
@@ -612,15 +521,11 @@ OPTIMUM_NEURONX_DOT_TARGET void dot_rows(const typename Lines::Element* __restri
 // Each thread's share of the weight rows is handed out in chunks of about kChunkBytes
 // (OPTIMUM_NEURONX_DOT_CHUNK_BYTES when positive): a thread takes its own share's chunks front to back, one stream,
 // then the chunks left in the others' shares. The threads' shares of the memory bandwidth differ from one call to
-// the next: with the rows split evenly, the worker thread of a 1.1B-shape fp32 token step spent 3-12% of its
-// samples waiting at the ends of the calls in fast memory phases (perf, Zen 5, 2 threads); taken in chunks, ~1.5%,
-// and the token graph ran 1.01-1.05x faster (docs/performance.md, "Weight rows in chunks").
+// the next, and an even split leaves one thread waiting for the other at the end of each call.
 constexpr int64_t kChunkBytes = OPTIMUM_NEURONX_DOT_CHUNK_BYTES > 0 ? OPTIMUM_NEURONX_DOT_CHUNK_BYTES : 131072;
 // Weight rows read in pieces (x cut by piece_columns; piece after piece within each chunk) take larger chunks: each
 // chunk's pieces start new streams at every row, the prefetch 2 rows ahead of each, so the longer each piece's pass
-// the fewer of those starts. Zen 4, the 1.1B shape's bfloat16 down projection at 4 rows in 2 pieces (C harness, 2
-// threads, fast memory phases): chunks of 64, 128, 256, 512 KiB and 1 MiB streamed 40.1, 43.8, 47.0, 48.7 and 48.6
-// GB/s; float32 at 4 rows in pieces of 16 KiB 1.02x faster at 512 KiB than at 128 (slow phases ~1.0x).
+// the fewer of those starts.
 constexpr int64_t kPiecedChunkBytes = OPTIMUM_NEURONX_DOT_CHUNK_BYTES > 0 ? OPTIMUM_NEURONX_DOT_CHUNK_BYTES : 524288;
 constexpr int kMaxShares = 256;  // more threads than that start in a share another thread owns
 
@@ -628,43 +533,33 @@ struct alignas(64) NextRow {  // a line of its own: its owner's claims stay in i
   int64_t row;  // claimed with __atomic_fetch_add
 };
 
-// Elements per row of x as the kernel keeps it: whole lines, and whole groups of lines where they are out of order.
+// Elements per row of x as the kernel keeps it: whole lines.
 template <typename Lines>
-int64_t padded_columns(int64_t rows, int64_t k) {
-  const int64_t unit = Lines::kLine * (swizzled_x<Lines>(rows) ? kSwizzleLines : 1);
-  return (k + unit - 1) / unit * unit;
+int64_t padded_columns(int64_t k) {
+  return (k + Lines::kLine - 1) / Lines::kLine * Lines::kLine;
 }
 
 // x copied into a 64-byte aligned, zero-padded buffer, in the form the kernel reads (Lines::copy_x_row): rows of
-// k_padded elements (unaligned 64-byte loads of x ran 2.7x slower at 4 rows), one row's lines moved to their
-// x_line_slot where swizzled_x, and several rows read in pieces of `piece` columns laid out piece after piece: piece
-// q's row r at (q * rows + r) * piece, zero-padded to `piece` (dot_rows points into it). Kept as whole rows instead,
-// a piece of the 1.1B shape's 4 float32 rows of 2048 is 4 KiB of each row, the rows 8 KiB apart; laid out piece
-// after piece, its 4-row projections streamed 1.04-1.06x faster on Zen 4 with the CPUs apart (C harness, 2 threads;
-// docs/performance.md, "The memory phases are where the host runs the two CPUs").
+// k_padded elements (unaligned loads of x are slower), and several rows read in pieces of `piece` columns laid out
+// piece after piece: piece q's row r at (q * rows + r) * piece, zero-padded to `piece` (dot_rows points into it),
+// so that a piece's rows lie together.
 template <typename Lines>
 const typename Lines::XElement* aligned_rows(const typename Lines::Element* x, int64_t rows, int64_t k,
                                              int64_t row_stride, int64_t col_stride, int64_t k_padded,
                                              int64_t piece) {
   using XElement = typename Lines::XElement;
-  const bool swizzled = swizzled_x<Lines>(rows), by_piece = rows > 1 && piece < k;
+  const bool by_piece = rows > 1 && piece < k;
   const int64_t pieces = (k + piece - 1) / piece;
   XElement* buffer = kept_buffer<XElement, 0>(by_piece ? pieces * rows * piece : rows * k_padded);
   if (!buffer) return nullptr;
-  if (!swizzled && !by_piece) {
+  if (!by_piece) {
     for (int64_t r = 0; r < rows; ++r) Lines::copy_x_row(buffer + r * k_padded, x + r * row_stride, k, col_stride, k_padded);
     return buffer;
   }
   XElement* in_order = kept_buffer<XElement, 3>(k_padded);
   if (!in_order) return nullptr;
-  constexpr int64_t line = Lines::kLine;
   for (int64_t r = 0; r < rows; ++r) {
     Lines::copy_x_row(in_order, x + r * row_stride, k, col_stride, k_padded);
-    if (swizzled) {  // one row
-      for (int64_t l = 0; l < k_padded / line; ++l)
-        __builtin_memcpy(buffer + x_line_slot(l) * line, in_order + l * line, line * sizeof(XElement));
-      continue;
-    }
     for (int64_t q = 0; q < pieces; ++q) {  // k_padded <= pieces * piece: piece is whole lines
       const int64_t first = q * piece, kept = k_padded - first < piece ? k_padded - first : piece;
       XElement* dst = buffer + (q * rows + r) * piece;
@@ -703,8 +598,7 @@ struct Shares {
 
 // Each thread copies x (aligned_rows) into a buffer of its own inside the parallel region: x was just written by
 // the step's previous kernels, partly on the other core, and one thread's copy read by all sent every line across
-// once more, after a copy the other thread waited for (with the CPUs apart, ~0.3 ms of a SmolLM2 bfloat16 batch-4
-// step in the main thread's memmove).
+// once more, after a copy the other thread waited for.
 template <typename Lines, int R>
 bool dot_rows_parallel(const typename Lines::Element* weight, const typename Lines::Element* x_data,
                        const int64_t* x_strides, int64_t k, int64_t k_padded, int64_t n_out, int64_t piece,
@@ -712,7 +606,7 @@ bool dot_rows_parallel(const typename Lines::Element* weight, const typename Lin
   bool failed = false;
   Shares shares(n_out);
   // Rows per chunk: whole blocks, at least one (a remainder only where a share ends)
-  const int64_t block = weight_rows_per_block<Lines, R>(k_padded, piece >= k);
+  const int64_t block = weight_rows_per_block<Lines, R>(k_padded);
   const int64_t row_bytes = k * int64_t(sizeof(typename Lines::Element));
   const int64_t chunk_bytes = piece < k ? kPiecedChunkBytes : kChunkBytes;
   const int64_t fitting = chunk_bytes / row_bytes / block * block;  // the whole blocks that fit in chunk_bytes
@@ -732,22 +626,19 @@ bool dot_rows_parallel(const typename Lines::Element* weight, const typename Lin
 }
 
 #if OPTIMUM_NEURONX_DOT_AVX512
-// Weights in tiles [n_out / T, k, T] (ops.py's tile_weight): tile t holds outputs t T .. t T + T - 1 input by input,
+// Weights in tiles [n_out / T, k, T] (modeling/layout.py's tile_weight): tile t holds outputs t T .. t T + T - 1 input by input,
 // so a pass reads one stream, and each input's T weights are multiplied by that input of each row of x, broadcast,
 // into T / 16 float32 accumulators per row: per weight line one load and R multiply-adds, no loads of x lines and no
-// sums across lanes. Plain rows at 4 rows of x held a Zen 5 core to ~0.69x a plain read (blocks of 4 weight rows: 4
-// streams, and a line of x loaded per weight line); tiles stream at its rate (docs/performance.md, "Float32 weights
-// in tiles"). Decode prefetches ROW_PREFETCH_BYTES ahead in the stream, which runs on into the next tile.
+// sums across lanes (plain rows at several rows of x read 4 streams and a line of x per weight line). Decode prefetches ROW_PREFETCH_BYTES ahead in the stream, which runs on into the next tile.
 //
 // A step is one float32 input (Float32Tiles) or two bfloat16 ones (BFloat16Tiles, avx512_bf16): vdpbf16ps multiplies
 // the two bfloat16 of each 32-bit lane by the two of another and adds both products into one float32 lane. bfloat16
-// tiles keep float32's layout (ops.py's tile_weight and untile_weight serve both dtypes): the lines of inputs 2p and
+// tiles keep float32's layout (tile_weight and untile_weight serve both dtypes): the lines of inputs 2p and
 // 2p + 1 are interleaved as they are loaded (unpacklo/hi_epi16, within 128-bit lanes: `lo` holds the pairs of
 // outputs 8L .. 8L + 3 of each 128-bit lane L, `hi` those of 8L + 4 .. 8L + 7), each row's inputs 2p and 2p + 1 are
 // broadcast as one 32-bit lane, and the sums are put back in order once per tile. An odd last input is paired with
 // zeros. (Kept as pairs, [K / 2, T, 2], the tiles would save the two unpacks per pair of lines but need a layout of
-// their own.) Zen 5, the 1.1B shape's bfloat16 token graphs against plain rows: batch 1 1.035-1.06x faster with the
-// CPUs apart, 1.03x near; batch 4 1.14x apart (docs/performance.md, "bfloat16 weights in tiles").
+// their own.)
 struct Float32Tiles {
   using Element = float;
   static constexpr int64_t kInputs = 1;  // inputs per step
@@ -904,9 +795,8 @@ void tiled_dot_parallel(const typename Tiles::Element* tiles, const typename Til
   Shares shares(n_tiles);
   const int64_t tile_bytes = k * T * int64_t(sizeof(typename Tiles::Element));
   const int64_t chunk = kChunkBytes / tile_bytes > 1 ? kChunkBytes / tile_bytes : 1;
-  // x's description copied to each thread's own stack, read there at every tile: read through a reference to the
-  // main thread's stack (lines it writes as it runs its own chunks), the 1.1B shape's float32 batch-1 token graph
-  // took 1.03x the time with the CPUs apart (16 rounds, 15 slower)
+  // x's description copied to each thread's own stack, read there at every tile (not through a reference to the
+  // main thread's stack, whose lines that thread keeps writing)
 #pragma omp parallel
   shares.take(n_tiles, chunk, [&, own = x](int64_t begin, int64_t end) {
     tiled_dot<Tiles, R, T>(tiles, own, k, begin, end, n_tiles * T, y);
@@ -931,13 +821,9 @@ void tiled_matvec(const typename Tiles::X& x, const typename Tiles::Element* til
   }
 }
 
-// Prefill over tiles (ops.py's tiled_linear): y = x @ W.T for many rows. Each thread takes whole tiles (a tile [k, T],
-// 256 KiB at the 1.1B shape's 2048 inputs and float32 tiles of 32, stays in L2) and sweeps every row of x over it
-// gemm_rows<T>() at a time (at most 16 accumulators: 8 rows at 1 or 2 a row, 4 at 4): per step, the tile's lines
-// loaded once for those rows, each row's input(s) broadcast. At 512 rows this read the 1.1B shape's projections
-// 0.98-1.05x the time of oneDNN's linear on the plain weight in float32, 0.91-0.94x in bfloat16 (the harness's form
-// of this loop; 128-token TTFT 1.05-1.21x faster than plain rows), where oneDNN on tiles (one call per
-// tile, or copied back to rows) took 1.03-1.65x (C harness against torch in the same minutes; docs/performance.md).
+// Prefill over tiles (ops.py's tiled_linear): y = x @ W.T for many rows. Each thread takes whole tiles (a tile [k, T]
+// stays in L2) and sweeps every row of x over it gemm_rows<T>() at a time (at most 16 accumulators: 8 rows at 1 or
+// 2 a row, 4 at 4): per step, the tile's lines loaded once for those rows, each row's input(s) broadcast.
 template <int T>
 constexpr int gemm_rows() {
   return T / 16 >= 4 ? 4 : 8;
@@ -999,7 +885,7 @@ bool rows_matvec(const void* x_data, const int64_t* x_strides, const void* w_dat
   const Element* w = static_cast<const Element*>(w_data);
   for (int64_t first = 0; first < rows; first += kMaxRows) {
     const int64_t count = rows - first < kMaxRows ? rows - first : kMaxRows;
-    const int64_t k_padded = padded_columns<Lines>(count, k);
+    const int64_t k_padded = padded_columns<Lines>(k);
     const int64_t piece = piece_columns<Lines>(count, k);
     const Element* x = static_cast<const Element*>(x_data) + first * x_strides[0];
     float* partial = piece < k ? kept_buffer<float, 1>(count * n_out) : nullptr;
