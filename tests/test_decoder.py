@@ -91,6 +91,28 @@ def test_stacked_layers_compute_what_unrolled_layers_do():
     torch.testing.assert_close(*caches, rtol=1e-5, atol=1e-5)
 
 
+def test_stacked_layers_unrolled_over_their_slices_compute_what_the_loop_does():
+    # Kernels.scan_layers False (compilers without `scan`): the same stacked weights, the layers unrolled; no scan
+    # in the exported graph.
+    from optimum_neuronx.modeling.decoder import Kernels
+
+    class Unrolled(Kernels):
+        scan_layers = False
+
+    looped = _decoder(Kernels())
+    unrolled = _decoder(Unrolled())
+    unrolled.load_state_dict(looped.state_dict())
+    caches = _cache(looped), _cache(unrolled)
+    with torch.no_grad():
+        for tokens, window, start in ((8, 8, 0), (1, SEQUENCE, 8)):
+            args = _inputs(looped, tokens, window, start)
+            torch.testing.assert_close(looped(*args, caches[0]), unrolled(*args, caches[1]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(*caches, rtol=1e-5, atol=1e-5)
+    assert caches[0].any()
+    program = torch.export.export(unrolled, (*_inputs(unrolled, 1, SEQUENCE, 8), _cache(unrolled)), strict=False)
+    assert not any(node.target is torch.ops.higher_order.scan for node in program.graph.nodes)
+
+
 @pytest.mark.parametrize("tokens, window, start", [(8, 8, 0), (1, SEQUENCE, 8)], ids=["context", "token"])
 def test_exported_graph_holds_one_layer_whatever_the_layer_count(tokens, window, start):
     # The layers run as one loop: torch.export traces one layer, whatever num_hidden_layers is, so what Inductor

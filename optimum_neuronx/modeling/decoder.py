@@ -72,8 +72,11 @@ class Kernels:
     # > 0: context attention runs per block of this many query tokens, each against the keys up to its last token
     # only, so the blocks above the diagonal are never computed (`attention_masks`).
     causal_block: int = 0
-    # The layers' weights stacked along a layer axis and run as one loop; False: one module per layer, unrolled.
+    # The layers' weights stacked along a layer axis; False: one module per layer, unrolled.
     stacked_layers: bool = True
+    # Stacked layers run as one `scan` loop (a compiler sees one layer); False: unrolled over the stacked weights'
+    # slices, for compilers that cannot lower `scan` (torch-mlir).
+    scan_layers: bool = True
 
     def weight_tile_for(self, outputs: int) -> int:
         """The tile a projection weight of `outputs` outputs is stored in (modeling/layout.py); 0: plain."""
@@ -329,7 +332,7 @@ class StaticDecoder(nn.Module):
             fresh = key_valid.index_select(1, slots)[:, None, None, :] & causal  # [B, 1, T, T]
             new_mask = attention_masks(_additive(fresh, dtype), n_rep)[0]
 
-        if isinstance(self.layers, DecoderLayer):
+        if isinstance(self.layers, DecoderLayer) and self.kernels.scan_layers:
             # One loop over the stacked layers: the compiler traces, lowers and compiles one layer, not num_layers.
             layer = self.layers
 
@@ -338,6 +341,13 @@ class StaticDecoder(nn.Module):
                 return layer.step(weights, h, cos, sin, masks, new_mask, layer_cache)
 
             h, new_kv = scan(body, h, (layer.weights(), kv_cache))
+        elif isinstance(self.layers, DecoderLayer):  # stacked weights, the layers unrolled over their slices
+            stacked, new_kv = self.layers.weights(), []
+            for i in range(self.spec.num_layers):
+                h, layer_kv = self.layers.step({name: w[i] for name, w in stacked.items()}, h, cos, sin, masks,
+                                               new_mask, kv_cache[i])
+                new_kv.append(layer_kv)
+            new_kv = torch.stack(new_kv)
         else:  # Kernels.stacked_layers False: the layers unrolled
             new_kv = []
             for i, layer in enumerate(self.layers):

@@ -1,0 +1,146 @@
+"""Lower one of the decoder's graphs to StableHLO with torch-mlir, weights kept as arguments.
+
+`torch.export` gives the program; `run_decompositions()` brings it to core ATen; torch-mlir's FX importer turns it
+into a StableHLO module whose arguments are, in `graph_signature.input_specs` order, the weights (parameters and
+buffers) and then the decoder's inputs. The in-place KV-cache write becomes a leading output, and the cache argument
+is marked `tf.aliasing_output` so that PJRT donates its buffer: the cache stays on the device between calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ...modeling.decoder import Kernels
+
+
+class NeuronKernels(Kernels):
+    """Plain PyTorch, the layers unrolled over their stacked weights: torch-mlir cannot lower `scan`."""
+
+    scan_layers = False
+
+
+@dataclass(frozen=True)
+class GraphArgument:
+    name: str  # a weight's state_dict name, or the decoder input's name
+    kind: str  # "weight" or "input"
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name, e.g. "float32"
+
+
+@dataclass(frozen=True)
+class StableHLOGraph:
+    name: str
+    text: str  # the MLIR module, StableHLO dialect
+    arguments: tuple[GraphArgument, ...]
+    outputs: tuple[str, ...]  # "kv_cache" (the donated cache, written) and "logits"
+    aliases: dict[int, int] = field(default_factory=dict)  # argument index -> output index it is donated to
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+    def argument_index(self, name: str) -> int:
+        return next(i for i, argument in enumerate(self.arguments) if argument.name == name)
+
+
+def lower_graph(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], name: str) -> StableHLOGraph:
+    """`module` (e.g. a StaticDecoder with NeuronKernels) at `example_inputs` as a StableHLO graph named `name`.
+
+    Raises ValueError naming the graph and the operation when torch-mlir cannot express one.
+    """
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    program = torch.export.export(module, tuple(example_inputs), strict=False).run_decompositions()
+    signature = program.graph_signature
+    placeholders = [node for node in program.graph.nodes if node.op == "placeholder"]
+    arguments = []
+    for spec, node in zip(signature.input_specs, placeholders):
+        value = node.meta["val"]
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            kind, argument_name = "weight", spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            kind, argument_name = "input", spec.arg.name
+        else:
+            raise ValueError(f"graph {name}: input {spec.arg.name} is a {spec.kind.name}; the StableHLO lowering takes "
+                             f"only weights and tensor inputs")
+        arguments.append(GraphArgument(argument_name, kind, tuple(int(size) for size in value.shape),
+                                       str(value.dtype).removeprefix("torch.")))
+    outputs, aliases = [], {}
+    for index, spec in enumerate(signature.output_specs):
+        if spec.kind == OutputKind.USER_INPUT_MUTATION:
+            aliases[next(i for i, argument in enumerate(arguments) if argument.name == spec.target)] = index
+            outputs.append(spec.target)
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            outputs.append("logits" if "logits" not in outputs else f"output_{index}")
+        else:
+            raise ValueError(f"graph {name}: output {index} is a {spec.kind.name}; only user outputs and in-place "
+                             f"writes of inputs are lowered")
+    text = _import(program, name)
+    return StableHLOGraph(name, _with_aliases(_portable(text), aliases), tuple(arguments), tuple(outputs), aliases)
+
+
+def _import(program, name: str) -> str:
+    from torch_mlir import fx
+
+    with _stderr_captured() as diagnostics:  # MLIR prints its diagnostics there, not into the exception
+        try:
+            return str(fx.stateless_fx_import(program.graph_module, output_type="stablehlo"))
+        except Exception as err:  # torch-mlir raises NotImplementedError or its own compiler error
+            failure = err
+    message = f"{diagnostics.text}\n{failure}"
+    op = (re.search(r'name = "(torch\.aten\.[\w.]+)"', message) or re.search(r"(torch\.aten\.[\w.]+)", message)
+          or re.search(r"Higher-order operation '(\w+)'", message))
+    what = op.group(1) if op else str(failure).strip().splitlines()[0][:200]
+    raise ValueError(f"graph {name}: the StableHLO lowering (torch-mlir) cannot express {what}. "
+                     f"Rewrite that part of the model in ops torch-mlir lowers.") from failure
+
+
+class _Captured:
+    text = ""
+
+
+@contextlib.contextmanager
+def _stderr_captured():
+    """File descriptor 2 into a temporary file for the block (C++ writes there); its text is written back after."""
+    captured = _Captured()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.text = sink.read().decode(errors="replace")
+    if captured.text:
+        sys.stderr.write(captured.text)
+
+
+def _portable(text: str) -> str:
+    # torch-mlir leaves a few arith.constant ops; StableHLO consumers (PJRT, neuronx-cc) want stablehlo.constant.
+    return text.replace("arith.constant", "stablehlo.constant")
+
+
+def _with_aliases(text: str, aliases: dict[int, int]) -> str:
+    """Mark each aliased argument of the module's public function with `tf.aliasing_output = <output index>`."""
+    header = re.search(r"func\.func @\w+\(([^)]*)\)", text)
+    if header is None:
+        raise ValueError("the lowered module has no public function")
+    signature = header.group(1)
+    for argument, output in aliases.items():
+        pattern = rf"(%arg{argument}: tensor<[^>]*>)"
+        if not re.search(pattern, signature):
+            raise ValueError(f"argument {argument} is not in the lowered function's signature")
+        signature = re.sub(pattern, rf"\1 {{tf.aliasing_output = {output} : i32}}", signature, count=1)
+    return text[:header.start(1)] + signature + text[header.end(1):]
