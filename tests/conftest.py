@@ -200,3 +200,9 @@ def tune(patch, **values):
 
     name = tuning.profile_name(tuning.cpu_identity())
     patch.setitem(tuning.PROFILES, name, {**tuning.PROFILES.get(name, {}), **values})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that start a PJRT client (jaxlib) run last: a process with its threads compiles without forked workers
+    (backends/workers.py), which would slow every export after them."""
+    items.sort(key=lambda item: "test_neuron_lowering" in item.nodeid)

@@ -133,6 +133,13 @@ def test_bf16_graphs_match_eager_bf16():
         assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
+def test_a_started_pjrt_client_stops_forked_compiles(lowered):
+    # jaxlib's threads do not survive fork: once a PJRT client runs, graphs compile in this process
+    from optimum_neuronx.backends.workers import compile_workers, pjrt_started
+
+    assert pjrt_started() and compile_workers(4) == 1
+
+
 def test_an_op_the_lowering_cannot_express_is_named_with_the_graph():
     class Iterates(torch.nn.Module):
         def forward(self, x):

@@ -84,6 +84,9 @@ def test_worker_count(monkeypatch):
     assert compile_workers(3) == (3 if sys.platform == "linux" else 1)  # never more workers than graphs
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # CUDA does not survive fork
     assert compile_workers(3) == 1
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr("optimum_neuronx.backends.workers.pjrt_started", lambda: True)  # nor do jaxlib's threads
+    assert compile_workers(3) == 1
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(COMPILE_WORKERS_ENV, bad)
         with pytest.raises(ValueError, match=rf"{COMPILE_WORKERS_ENV}='{bad}' must be a whole number >= 1.*set it to 1"):

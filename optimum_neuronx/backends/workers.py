@@ -48,10 +48,17 @@ def compile_workers(jobs: int) -> int:
     else:
         wanted = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # fork is the only start method that shares the decoder without pickling it, and it is only safe on Linux,
-    # before CUDA is initialized, and outside daemonic processes (which may not have children).
-    if sys.platform != "linux" or torch.cuda.is_initialized() or multiprocessing.current_process().daemon:
+    # before CUDA or a PJRT client (jaxlib's threads) is started, and outside daemonic processes (no children).
+    if (sys.platform != "linux" or torch.cuda.is_initialized() or pjrt_started()
+            or multiprocessing.current_process().daemon):
         return 1
     return max(1, min(jobs, wanted))
+
+
+def pjrt_started() -> bool:
+    """Whether this process has started a PJRT client (jaxlib), whose threads do not survive fork."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))
 
 
 def map_in_workers(function: Callable[[Item], Result], items: Sequence[Item], workers: int,
