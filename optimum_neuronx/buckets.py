@@ -27,4 +27,3 @@ def token_bucket(position: int, buckets: Sequence[int]) -> int:
         f"Cannot write token at position {position}: the compiled sequence_length (KV cache size) is "
         f"{buckets[-1]}. Generate fewer tokens, or re-export with a larger sequence_length."
     )
-

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from optimum_neuronx import NeuronModelForCausalLM
+from optimum_neuronx.configuration import TORCH_DTYPES
 
 # Tiny models with initializer_range=0.2: top-1/top-2 logit gaps ~1e-2, well above numerical noise.
 TINY_COMMON = dict(
@@ -191,7 +192,7 @@ def assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model,
     assert ours_error <= 2 * eager_error + 1e-2
 
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # as the tuning table names them
 
 
 def tune(patch, **values):

@@ -1,8 +1,8 @@
 """Compile graphs side by side, one forked worker process per graph, up to one per core.
 
 Compiling one graph runs on one core: tracing and lowering are single-threaded Python, then a C++ compiler builds
-the graph, whatever the model's size. Workers are forked, so they share the decoder and its weights with this process: nothing is
-copied or pickled but each graph's list of output files.
+the graph, whatever the model's size. Workers are forked, so they share the decoder and its weights with this
+process: nothing is copied or pickled but each graph's list of output files.
 """
 
 from __future__ import annotations

@@ -332,7 +332,8 @@ class StaticDecoder(nn.Module):
             fresh = key_valid.index_select(1, slots)[:, None, None, :] & causal  # [B, 1, T, T]
             new_mask = attention_masks(_additive(fresh, dtype), n_rep)[0]
 
-        if isinstance(self.layers, DecoderLayer) and self.kernels.scan_layers:
+        stacked = isinstance(self.layers, DecoderLayer)
+        if stacked and self.kernels.scan_layers:
             # One loop over the stacked layers: the compiler traces, lowers and compiles one layer, not num_layers.
             layer = self.layers
 
@@ -341,17 +342,13 @@ class StaticDecoder(nn.Module):
                 return layer.step(weights, h, cos, sin, masks, new_mask, layer_cache)
 
             h, new_kv = scan(body, h, (layer.weights(), kv_cache))
-        elif isinstance(self.layers, DecoderLayer):  # stacked weights, the layers unrolled over their slices
-            stacked, new_kv = self.layers.weights(), []
-            for i in range(self.spec.num_layers):
-                h, layer_kv = self.layers.step({name: w[i] for name, w in stacked.items()}, h, cos, sin, masks,
-                                               new_mask, kv_cache[i])
-                new_kv.append(layer_kv)
-            new_kv = torch.stack(new_kv)
-        else:  # Kernels.stacked_layers False: the layers unrolled
+        else:  # unrolled: one module per layer, or the stacked weights' slices (Kernels.scan_layers False)
+            weights = self.layers.weights() if stacked else None
             new_kv = []
-            for i, layer in enumerate(self.layers):
-                h, layer_kv = layer.step(layer.weights(), h, cos, sin, masks, new_mask, kv_cache[i])
+            for i in range(self.spec.num_layers):
+                layer = self.layers if stacked else self.layers[i]
+                layer_weights = {name: w[i] for name, w in weights.items()} if stacked else layer.weights()
+                h, layer_kv = layer.step(layer_weights, h, cos, sin, masks, new_mask, kv_cache[i])
                 new_kv.append(layer_kv)
             new_kv = torch.stack(new_kv)
 

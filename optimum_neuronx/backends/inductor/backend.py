@@ -98,7 +98,7 @@ class InductorBackend(Backend):
         dot_rows = DOT_KERNEL_ROWS if isa and batch_size >= DOT_KERNEL_MIN_BATCH[isa] else 0
         attention_kernel = bool(isa)
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
-        tile = tuning.per_dtype("weight_tile", dtype)
+        tile = tuning.weight_tile(dtype)
         tile = tile if TILED_ISA.get(dtype) == isa and batch_size <= dot_rows else 0
         # Tiles are read at decode by the dot kernel alone, at every width
         return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "",

@@ -121,7 +121,6 @@ class Lowering(Kernels):
         return names if decoder.spec.tie_word_embeddings else [*names, "lm_head.weight"]
 
 
-
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lowering: Lowering,
             constant_weight: bool = True) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, computed as `lowering` says.

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import torch
 
+from ...configuration import TORCH_DTYPES
+
 TUNING_FILE = Path(__file__).with_name("kernels") / "tuning.json"
 # The values compiled into the C++ kernels, as OPTIMUM_NEURONX_<NAME> (custom_kernels.c_shim_options).
 KERNEL_CONSTANTS = ("row_prefetch_locality", "rows_prefetch_locality")
 # How far ahead of a weight row's current vector a software prefetch reaches (Inductor's loops and ours).
 ROW_PREFETCH_BYTES = 8192
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # as tuning.json names them
 
 PROFILES: dict[str, dict] = {name: entry for name, entry in json.loads(TUNING_FILE.read_text()).items()
                              if not name.startswith("_")}
@@ -61,9 +63,9 @@ def cpu_profile() -> dict:
     return {**PROFILES["generic"], **PROFILES.get(profile_name(cpu_identity()), {})}
 
 
-def per_dtype(name: str, dtype: torch.dtype) -> int:
-    """A per-dtype value of this CPU's profile (`weight_tile`); 0 where it names none."""
-    return cpu_profile()[name].get(_DTYPE_NAMES.get(dtype, ""), 0)
+def weight_tile(dtype: torch.dtype) -> int:
+    """The tile this CPU's profile stores projection weights of `dtype` in; 0 (plain rows) where it names none."""
+    return cpu_profile()["weight_tile"].get(_DTYPE_NAMES.get(dtype, ""), 0)
 
 
 def kernel_tuning() -> dict:

@@ -31,6 +31,12 @@ def _x64():
     return jax.enable_x64(True) if hasattr(jax, "enable_x64") else contextlib.nullcontext()
 
 
+def _first_device(client):
+    from jax._src.lib import xla_client
+
+    return xla_client.DeviceList(tuple(client.devices()[:1]))
+
+
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype == torch.bfloat16:
@@ -59,8 +65,8 @@ class PjrtGraph:
         from jax._src.lib import xla_client
 
         client = client or cpu_client()
-        devices = xla_client.DeviceList(tuple(client.devices()[:1]))
-        return cls(graph, client.compile_and_load(graph.text, devices, xla_client.CompileOptions()), client)
+        return cls(graph, client.compile_and_load(graph.text, _first_device(client), xla_client.CompileOptions()),
+                   client)
 
     def serialize(self) -> bytes:
         return self.client.serialize_executable(self.executable)
@@ -70,8 +76,8 @@ class PjrtGraph:
         from jax._src.lib import xla_client
 
         client = client or cpu_client()
-        devices = xla_client.DeviceList(tuple(client.devices()[:1]))
-        return cls(graph, client.deserialize_executable(blob, devices, xla_client.CompileOptions()), client)
+        return cls(graph, client.deserialize_executable(blob, _first_device(client), xla_client.CompileOptions()),
+                   client)
 
     def put(self, tensor: torch.Tensor):
         """`tensor` as a buffer on this graph's device."""
