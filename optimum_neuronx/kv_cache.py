@@ -14,14 +14,18 @@ class StaticKVCache:
     `key_valid[b, s]` says whether cache slot s of sequence b holds a real token (left padding does not).
     """
 
-    def __init__(self, spec: DecoderSpec, batch_size: int, sequence_length: int, dtype: torch.dtype):
-        # Zeros, not empty: masked slots are still multiplied by 0 in attention, and 0 * NaN is NaN.
-        self.kv = torch.zeros(spec.kv_cache_shape(batch_size, sequence_length), dtype=dtype)
+    def __init__(self, spec: DecoderSpec, batch_size: int, sequence_length: int, dtype: torch.dtype, kv=None):
+        # Zeros, not empty: masked slots are still multiplied by 0 in attention, and 0 * NaN is NaN. `kv`: the
+        # backend's own (Backend.new_kv_cache), e.g. a cache kept on a device.
+        self.kv = kv if kv is not None else torch.zeros(spec.kv_cache_shape(batch_size, sequence_length), dtype=dtype)
         self.key_valid = torch.zeros(batch_size, sequence_length, dtype=torch.bool)
 
     def reorder(self, rows: torch.Tensor) -> None:
         n = rows.numel()
-        self.kv[:, :, :n] = self.kv[:, :, rows]
+        if isinstance(self.kv, torch.Tensor):
+            self.kv[:, :, :n] = self.kv[:, :, rows]
+        else:
+            self.kv.reorder(rows)
         self.key_valid[:n] = self.key_valid[rows]
 
 

@@ -1,15 +1,12 @@
-"""Memory planner: how much a compiled model needs and how many NeuronCores that takes."""
+"""Memory planner: how much a compiled model needs and how many NeuronCores of an instance type that takes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from .configuration import SUPPORTED_TP_DEGREES, NeuronConfig
+from .configuration import GIB, InstanceType, NeuronConfig
 from .modeling.decoder import DecoderSpec, StaticDecoder
-
-GIB = 1024**3
-NEURON_CORE_MEMORY = 16 * GIB  # HBM per NeuronCore on Inf2 / Trn1
 
 
 def parameter_count(spec: DecoderSpec) -> int:
@@ -24,41 +21,76 @@ def parameter_count(spec: DecoderSpec) -> int:
 class MemoryEstimate:
     weight_bytes: int
     kv_cache_bytes: int
+    num_heads: int
+    num_kv_heads: int
+    instance: InstanceType
     tp_degree: int
-    min_tp_degree: Optional[int]  # None: no supported degree fits
+    min_tp_degree: Optional[int]  # the smallest of the instance's tp degrees that fits; None: none fits
 
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.kv_cache_bytes
 
-    def per_core_bytes(self, tp_degree: int, spec: DecoderSpec) -> float:
-        # With more cores than KV heads, KV heads are replicated so that every core holds at least one.
-        kv_replication = max(1, tp_degree // spec.num_kv_heads)
-        return (self.weight_bytes + self.kv_cache_bytes * kv_replication) / tp_degree
+    def shardable(self, tp_degree: int) -> bool:
+        """Whether the heads can be cut `tp_degree` ways (KV heads split, or repeated when fewer than the cores)."""
+        kv = self.num_kv_heads
+        return self.num_heads % tp_degree == 0 and (kv % tp_degree if tp_degree <= kv else tp_degree % kv) == 0
+
+    def per_core_bytes(self, tp_degree: Optional[int] = None) -> float:
+        tp = tp_degree or self.tp_degree
+        # With more cores than KV heads, KV heads are repeated so that every core holds at least one.
+        kv_repeats = max(1, tp // self.num_kv_heads)
+        return (self.weight_bytes + self.kv_cache_bytes * kv_repeats) / tp
 
     def summary(self) -> str:
         need = "none fits" if self.min_tp_degree is None else str(self.min_tp_degree)
         return (f"weights {self.weight_bytes / GIB:.2f} GiB + KV cache {self.kv_cache_bytes / GIB:.2f} GiB = "
-                f"{self.total_bytes / GIB:.2f} GiB; NeuronCores needed at 16 GiB each: {need} "
-                f"(tp_degree={self.tp_degree})")
+                f"{self.total_bytes / GIB:.2f} GiB; {self.per_core_bytes() / GIB:.2f} GiB per NeuronCore at "
+                f"tp_degree={self.tp_degree}; smallest fitting tp_degree on {self.instance.name} "
+                f"({self.instance.core_memory_bytes / GIB:g} GiB per core): {need}")
+
+
+def _estimate(weight_bytes: int, kv_bytes: int, heads: int, kv_heads: int, neuron_config: NeuronConfig):
+    instance = neuron_config.instance
+    estimate = MemoryEstimate(weight_bytes, kv_bytes, heads, kv_heads, instance, neuron_config.tp_degree, None)
+    fitting = [tp for tp in instance.tp_degrees
+               if estimate.shardable(tp) and estimate.per_core_bytes(tp) <= instance.core_memory_bytes]
+    return MemoryEstimate(weight_bytes, kv_bytes, heads, kv_heads, instance, neuron_config.tp_degree,
+                          fitting[0] if fitting else None)
 
 
 def estimate_memory(spec: DecoderSpec, neuron_config: NeuronConfig) -> MemoryEstimate:
     size = neuron_config.torch_dtype.itemsize
-    weights = parameter_count(spec) * size
     kv = 2 * spec.num_layers * neuron_config.batch_size * neuron_config.sequence_length
     kv *= spec.num_kv_heads * spec.head_dim * size
-    estimate = MemoryEstimate(weights, kv, neuron_config.tp_degree, None)
-    fitting = [tp for tp in SUPPORTED_TP_DEGREES
-               if spec.num_heads % tp == 0 and estimate.per_core_bytes(tp, spec) <= NEURON_CORE_MEMORY]
-    return MemoryEstimate(weights, kv, neuron_config.tp_degree, fitting[0] if fitting else None)
+    return _estimate(parameter_count(spec) * size, kv, spec.num_heads, spec.num_kv_heads, neuron_config)
 
 
-def check_fits_neuron_cores(estimate: MemoryEstimate, spec: DecoderSpec) -> None:
+def estimate_memory_from_config(config, neuron_config: NeuronConfig) -> MemoryEstimate:
+    """The same plan for any Transformers config (not only the architectures we export): the parameters counted
+    on a model built on the meta device, the KV cache from the config's layer and head counts. No weights loaded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    size = neuron_config.torch_dtype.itemsize
+    kv = 2 * text.num_hidden_layers * neuron_config.batch_size * neuron_config.sequence_length
+    kv *= kv_heads * head_dim * size
+    return _estimate(parameters * size, kv, heads, kv_heads, neuron_config)
+
+
+def check_fits_neuron_cores(estimate: MemoryEstimate) -> None:
     """Refuse a tp_degree whose per-core share does not fit in a NeuronCore's memory."""
-    per_core = estimate.per_core_bytes(estimate.tp_degree, spec)
-    if per_core > NEURON_CORE_MEMORY:
+    per_core, available = estimate.per_core_bytes(), estimate.instance.core_memory_bytes
+    if per_core > available:
         fix = (f"use num_cores={estimate.min_tp_degree}" if estimate.min_tp_degree
-               else "lower batch_size or sequence_length")
-        raise ValueError(f"tp_degree (num_cores) = {estimate.tp_degree} needs {per_core / GIB:.1f} GiB per NeuronCore, "
-                         f"more than its {NEURON_CORE_MEMORY // GIB} GiB ({estimate.summary()}); {fix}.")
+               else "no tp_degree of this instance type fits: lower batch_size or sequence_length, or pick a larger "
+                    "instance_type")
+        raise ValueError(f"tp_degree (num_cores) = {estimate.tp_degree} needs {per_core / GIB:.1f} GiB per "
+                         f"NeuronCore, more than the {available / GIB:g} GiB of one on {estimate.instance.name} "
+                         f"({estimate.summary()}); {fix}.")

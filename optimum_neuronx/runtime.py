@@ -73,6 +73,7 @@ NEURON_KWARGS = {
     "token_buckets": "token_buckets",
     "backend": "backend",
     "compiler_args": "compiler_args",
+    "instance_type": "instance_type",
 }
 
 
@@ -103,8 +104,10 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         self._tmpdir = tmpdir  # owns the export directory of a model exported but not yet saved
         spec = get_export_config(config.model_type).decoder_spec(config, neuron_config)
         self._vocab_size = spec.vocab_size
+        shape = spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length)
+        kv = get_backend(neuron_config.backend).new_kv_cache(graphs, shape, neuron_config.torch_dtype)
         self._cache = StaticKVCache(spec, neuron_config.batch_size, neuron_config.sequence_length,
-                                    neuron_config.torch_dtype)
+                                    neuron_config.torch_dtype, kv)
         self._handle: Optional[CacheHandle] = None
         self._step = DecodeStepInputs(neuron_config.batch_size)
         # One generate (or forward) at a time: calls share the KV cache, and an AOTInductor runner keeps the GIL
@@ -140,7 +143,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Load an exported directory (or Hub repo), or with `export=True` compile a Transformers checkpoint.
 
         Export keywords: batch_size, sequence_length, num_cores (tp_degree), auto_cast_type, context_buckets,
-        token_buckets, backend, compiler_args — or a ready `neuron_config`. Exports go through the compile
+        token_buckets, backend, compiler_args, instance_type — or a ready `neuron_config`. Exports go through the compile
         cache (`compile_cache_dir`, default $OPTIMUM_NEURONX_CACHE or inside HF_HOME; `compile_cache_repo`, default
         $OPTIMUM_NEURONX_CACHE_REPO, a Hub repo shared as a remote cache) unless `compile_cache=False`. Other
         keywords go to Transformers' loaders (revision, token, ...).

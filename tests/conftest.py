@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
-import pytest
-import torch
+# Four virtual XLA CPU devices for the neuron backend's tensor-parallel tests; read when jaxlib starts its client.
+_DEVICES = "--xla_force_host_platform_device_count"
+if _DEVICES not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}=4".strip()
 
-from optimum_neuronx import NeuronModelForCausalLM
-from optimum_neuronx.configuration import TORCH_DTYPES
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from optimum_neuronx import NeuronModelForCausalLM  # noqa: E402
+from optimum_neuronx.configuration import TORCH_DTYPES  # noqa: E402
 
 # Tiny models with initializer_range=0.2: top-1/top-2 logit gaps ~1e-2, well above numerical noise.
 TINY_COMMON = dict(
@@ -118,14 +124,14 @@ def left_padded_batch():
 
 FRESH_PROCESS_GENERATE = """
 import json, logging, sys
-import torch
+import torch  # noqa: E402
 import torch._inductor
 def refuse(*args, **kwargs):  # loading must never compile: make any attempt fail loudly
     raise AssertionError("compilation attempted while loading")
 torch._inductor.aot_compile = refuse
 torch.export.export = refuse
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from optimum_neuronx import NeuronModelForCausalLM
+from optimum_neuronx import NeuronModelForCausalLM  # noqa: E402
 model = NeuronModelForCausalLM.from_pretrained(sys.argv[1])
 inputs = {k: torch.tensor(v) for k, v in json.loads(sys.argv[2]).items()}
 out = model.generate(**inputs, max_new_tokens=int(sys.argv[3]), do_sample=False)
@@ -206,4 +212,4 @@ def tune(patch, **values):
 def pytest_collection_modifyitems(config, items):
     """Tests that start a PJRT client (jaxlib) run last: a process with its threads compiles without forked workers
     (backends/workers.py), which would slow every export after them."""
-    items.sort(key=lambda item: "test_neuron_lowering" in item.nodeid)
+    items.sort(key=lambda item: "test_neuron_" in item.nodeid)

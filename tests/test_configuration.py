@@ -67,8 +67,8 @@ def test_graphs_compile_with_our_inductor_options_unless_compiler_args_override(
     decoder = types.SimpleNamespace(kernels=types.SimpleNamespace(dot_rows=0, dot_isa="avx2", attention_kernel=False))
     graphs = [types.SimpleNamespace(name="token_32")]
     backend = inductor.InductorBackend()
-    backend.compile(decoder, graphs, None, tmp_path, [])
-    backend.compile(decoder, graphs, None, tmp_path, ["cpp.min_chunk_size=64"])
+    backend.compile(decoder, graphs, None, tmp_path, NeuronConfig())
+    backend.compile(decoder, graphs, None, tmp_path, NeuronConfig(compiler_args=["cpp.min_chunk_size=64"]))
     assert [options["cpp.min_chunk_size"] for options in seen] == [MIN_ELEMENTS_PER_THREAD, 64]
     # stamped into exports: another value recompiles
     assert backend.codegen_options()["min_elements_per_thread"] == MIN_ELEMENTS_PER_THREAD

@@ -107,11 +107,6 @@ def test_unknown_auto_cast_type(tiny_checkpoint):
         NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, auto_cast_type="int3")
 
 
-def test_tp_degree_must_divide_heads(tiny_checkpoint):
-    with pytest.raises(ValueError, match=r"tp_degree \(num_cores\) = 8 does not divide num_attention_heads = 4"):
-        NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, num_cores=8, sequence_length=32)
-
-
 def test_tp_degree_needs_a_backend_that_shards(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"tp_degree \(num_cores\) = 2: the inductor backend does not shard.*num_cores=1"):
         NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, num_cores=2, sequence_length=32)

@@ -8,7 +8,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..configuration import GraphSpec
+from ..configuration import GraphSpec, NeuronConfig
 from ..modeling.decoder import Kernels
 
 
@@ -60,8 +60,8 @@ class Backend(ABC):
         return ""
 
     @abstractmethod
-    def graph_files(self) -> tuple[str, ...]:
-        """Files (relative to the artifact directory) that hold the compiled graphs."""
+    def graph_files(self, out_dir: Path) -> tuple[str, ...]:
+        """Files (relative to `out_dir`, where `compile` wrote them) that hold the compiled graphs."""
 
     @abstractmethod
     def compile(
@@ -70,12 +70,18 @@ class Backend(ABC):
         graphs: Sequence[GraphSpec],
         example_inputs: Callable[[GraphSpec], tuple],
         out_dir: Path,
-        compiler_args: Sequence[str],
+        neuron_config: NeuronConfig,
     ) -> dict[str, float]:
-        """Compile every graph into `out_dir`; return the compile time of each, in seconds."""
+        """Compile every graph into `out_dir` for `neuron_config` (its compiler_args, tp_degree, instance_type);
+        return the compile time of each, in seconds."""
 
     @abstractmethod
     def load(
         self, artifact_dir: Path, graphs: Sequence[GraphSpec], weights: Mapping[str, torch.Tensor]
     ) -> dict[str, CompiledGraph]:
         """Load the graphs, sharing `weights` (the caller keeps them alive) between all of them."""
+
+    def new_kv_cache(self, graphs: Mapping[str, CompiledGraph], shape: tuple[int, ...], dtype: torch.dtype):
+        """The zeroed KV cache the loaded `graphs` take as their last input and write in place: a host tensor of
+        `shape` here; a backend whose graphs keep the cache on a device returns its own handle (`reorder(rows)`)."""
+        return torch.zeros(shape, dtype=dtype)

@@ -30,15 +30,22 @@ def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV-cache length: prompt + generated tokens (default: 1024)")
     parser.add_argument("--num_cores", type=int, default=1, help="tensor-parallel degree (Neuron; default: 1)")
     parser.add_argument("--auto_cast_type", default="fp32", help="fp32, bf16 or fp16 (default: fp32)")
-    parser.add_argument("--backend", default="inductor", help="compiler backend (default: inductor)")
+    parser.add_argument("--backend", default="inductor", choices=("inductor", "neuron"),
+                        help="inductor: AOTInductor graphs for this CPU; neuron: StableHLO graphs run through PJRT, on a "
+                             "Neuron device where the plugin is installed, else on the XLA CPU device "
+                             "(default: inductor)")
+    parser.add_argument("--instance_type", default=None,
+                        help="Neuron instance the neuron backend plans memory and compiles NEFFs for, e.g. inf2.48xlarge, "
+                             "trn1, trn2 (default: inf2)")
     parser.add_argument("--context_buckets", type=_int_list, default=None, metavar="N[,N...]",
                         help="prompt lengths to compile prefill graphs for, e.g. 128,512 (default: powers of two "
                              "from 128 up to sequence_length)")
     parser.add_argument("--token_buckets", type=_int_list, default=None, metavar="N[,N...]",
                         help="cache windows to compile decode graphs for; the largest must be sequence_length "
                              "(default: powers of two from 128 up to sequence_length)")
-    parser.add_argument("--compiler_args", action="append", default=[], metavar="NAME=VALUE",
-                        help="backend option, repeatable; inductor: a torch._inductor.config option")
+    parser.add_argument("--compiler_args", action="append", default=[], metavar="ARG",
+                        help="backend option, repeatable; inductor: NAME=VALUE, a torch._inductor.config option; "
+                             "neuron: a neuronx-cc flag, e.g. -O3")
 
 
 def neuron_config_from_args(args: argparse.Namespace):
@@ -47,7 +54,8 @@ def neuron_config_from_args(args: argparse.Namespace):
     return NeuronConfig(
         batch_size=args.batch_size, sequence_length=args.sequence_length, tp_degree=args.num_cores,
         auto_cast_type=args.auto_cast_type, backend=args.backend, context_buckets=args.context_buckets,
-        token_buckets=args.token_buckets, compiler_args=tuple(args.compiler_args))
+        token_buckets=args.token_buckets, compiler_args=tuple(args.compiler_args),
+        instance_type=getattr(args, "instance_type", None))
 
 
 def show_progress() -> None:

@@ -1,4 +1,4 @@
-"""optimum-cli integration: `optimum-cli export neuron` and `optimum-cli neuron verify`.
+"""optimum-cli integration: `optimum-cli export neuron`, `optimum-cli neuron verify|cache|estimate`.
 
 optimum discovers commands in modules of the `optimum.commands.register` namespace; ours
 (optimum/commands/register/register_optimum_neuronx.py) imports REGISTER_COMMANDS from here.
@@ -13,6 +13,7 @@ from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 from optimum.commands.export.base import ExportCommand
 
 from .cache import add_cache_dir_argument, add_lookup_arguments, run_clear, run_list, run_lookup
+from .estimate import add_estimate_arguments, run_estimate
 from .export import add_export_arguments, run_export, show_progress
 from .verify import add_verify_arguments, run_verify
 
@@ -80,6 +81,8 @@ class NeuronxCommand(BaseOptimumCLICommand):
     SUBCOMMANDS = (
         CommandInfo(name="verify", help=NeuronxVerifyCommand.COMMAND.help, subcommand_class=NeuronxVerifyCommand),
         CommandInfo(name="cache", help=NeuronxCacheCommand.COMMAND.help, subcommand_class=NeuronxCacheCommand),
+        _leaf("estimate", "Memory an export needs and the NeuronCores that takes (from the config alone)",
+              add_estimate_arguments, run_estimate),
     )
 
 

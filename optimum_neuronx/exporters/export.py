@@ -16,6 +16,7 @@ from ..backends import Backend, get_backend
 from ..configuration import GraphSpec, NeuronConfig
 from ..memory import check_fits_neuron_cores, estimate_memory
 from ..modeling.decoder import DecoderSpec, StaticDecoder
+from ..modeling.sharding import ShardLayout
 from ..version import ARTIFACT_FORMAT_VERSION, __version__
 from ..weights_io import save_weights
 from .registry import get_export_config
@@ -65,10 +66,12 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
             f"tp_degree (num_cores) = {neuron_config.tp_degree}: the {backend.name} backend does not shard graphs "
             f"across cores (each graph already runs on all of this machine's CPU cores). Use num_cores=1."
         )
+    if backend.shards:
+        ShardLayout.for_spec(spec, neuron_config.tp_degree)  # heads and MLP cut evenly, or a clear error
     estimate = estimate_memory(spec, neuron_config)
     logger.info("Memory estimate: %s", estimate.summary())
     if backend.targets_neuron_cores:
-        check_fits_neuron_cores(estimate, spec)
+        check_fits_neuron_cores(estimate)
     graphs = neuron_config.graphs()
     logger.info("Buckets: context %s, token generation %s (%d graphs, backend %s, %s)",
                 list(neuron_config.context_buckets), list(neuron_config.token_buckets), len(graphs),
@@ -128,7 +131,7 @@ def _compile(p: _Prepared, output_dir: str | Path) -> dict:
         with torch.no_grad():
             times = p.backend.compile(p.decoder, p.graphs,
                                       lambda g: p.decoder.example_inputs(nc.batch_size, g.tokens, g.window, kv_cache),
-                                      staging, nc.compiler_args)
+                                      staging, nc)
         # Configs are written from files, never from a live model (its config carries runtime-only fields).
         p.config.save_pretrained(staging)
         generation_config = p.generation_config
@@ -137,7 +140,7 @@ def _compile(p: _Prepared, output_dir: str | Path) -> dict:
         generation_config.save_pretrained(staging)
         _save_tokenizer(p.model_id, staging, p.hf_kwargs)
         meta = write_neuron_config(staging, nc, p.graphs, p.backend_stamp(), times,
-                                   (WEIGHTS_NAME, *p.backend.graph_files()))
+                                   (WEIGHTS_NAME, *p.backend.graph_files(staging)))
     logger.info("Exported %s to %s in %.1f s", p.model_id, output_dir, time.perf_counter() - p.start)
     return meta
 

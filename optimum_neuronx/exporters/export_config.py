@@ -86,11 +86,6 @@ class ExportConfig:
             raise ValueError(
                 f"{self.model_type}: config.hidden_act = {act!r} is not supported; use one of {SUPPORTED_ACTIVATIONS}."
             )
-        if config.num_attention_heads % neuron_config.tp_degree:
-            raise ValueError(
-                f"tp_degree (num_cores) = {neuron_config.tp_degree} does not divide num_attention_heads = "
-                f"{config.num_attention_heads}; choose a tp_degree that divides it."
-            )
 
     # -- decoder spec -----------------------------------------------------------------------------
     def decoder_spec(self, config, neuron_config: NeuronConfig) -> DecoderSpec:

@@ -77,6 +77,9 @@ class Kernels:
     # Stacked layers run as one `scan` loop (a compiler sees one layer); False: unrolled over the stacked weights'
     # slices, for compilers that cannot lower `scan` (torch-mlir).
     scan_layers: bool = True
+    # Devices the graphs are cut across (tensor parallelism): the fused projections' outputs are stored shard-major
+    # (modeling/sharding.py) and split per shard, so that each shard holds whole heads and whole MLP columns.
+    shards: int = 1
 
     def weight_tile_for(self, outputs: int) -> int:
         """The tile a projection weight of `outputs` outputs is stored in (modeling/layout.py); 0: plain."""
@@ -235,11 +238,13 @@ class DecoderLayer(nn.Module):
         def proj(x, name):
             return kernels.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"), self.stacked)
 
-        qkv = proj(rms_norm(h, w["input_norm.weight"], s.rms_norm_eps), "qkv_proj")
-        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
-        q = q.view(B, T, s.num_heads, s.head_dim)
-        k = k.view(B, T, s.num_kv_heads, s.head_dim)
-        v = v.view(B, T, s.num_kv_heads, s.head_dim)
+        shards = kernels.shards
+        qkv = proj(rms_norm(h, w["input_norm.weight"], s.rms_norm_eps), "qkv_proj").view(B, T, shards, -1)
+        q, k, v = qkv.split([s.num_heads * s.head_dim // shards, s.num_kv_heads * s.head_dim // shards,
+                             s.num_kv_heads * s.head_dim // shards], -1)
+        q = q.reshape(B, T, s.num_heads, s.head_dim)
+        k = k.reshape(B, T, s.num_kv_heads, s.head_dim)
+        v = v.reshape(B, T, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = rms_norm(q, w["q_norm.weight"], s.rms_norm_eps), rms_norm(k, w["k_norm.weight"], s.rms_norm_eps)
         q = q * cos + _rotate_half(q) * sin
@@ -258,7 +263,12 @@ class DecoderLayer(nn.Module):
         attn = attn.view(B, s.num_kv_heads, T, n_rep, s.head_dim).transpose(1, 2)
         h = h + proj(attn.reshape(B, T, s.num_heads * s.head_dim), "o_proj")
 
-        gate, up = proj(rms_norm(h, w["post_attention_norm.weight"], s.rms_norm_eps), "gate_up_proj").chunk(2, dim=-1)
+        gate_up = proj(rms_norm(h, w["post_attention_norm.weight"], s.rms_norm_eps), "gate_up_proj")
+        if shards == 1:
+            gate, up = gate_up.chunk(2, dim=-1)
+        else:
+            gate_up = gate_up.view(B, T, shards, 2, -1)
+            gate, up = (gate_up[:, :, :, i].reshape(B, T, s.intermediate_size) for i in range(2))
         return h + proj(_ACTIVATIONS[s.hidden_act](gate) * up, "down_proj"), new_kv
 
 

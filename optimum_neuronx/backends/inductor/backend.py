@@ -178,16 +178,16 @@ class InductorBackend(Backend):
         return (f"its kernels were compiled for the vector instructions {isa!r}, which this CPU lacks "
                 f"(it supports: {', '.join(supported) or 'none'})")
 
-    def graph_files(self) -> tuple[str, ...]:
+    def graph_files(self, out_dir) -> tuple[str, ...]:
         return (PACKAGE_NAME,)
 
-    def compile(self, decoder, graphs, example_inputs, out_dir, compiler_args) -> dict[str, float]:
+    def compile(self, decoder, graphs, example_inputs, out_dir, neuron_config) -> dict[str, float]:
         from torch._inductor.package import package_aoti
 
         lowering = decoder.kernels
         options = {**inductor_options(),
                    **c_shim_options(lowering.dot_rows, lowering.dot_isa, lowering.attention_kernel),
-                   **parse_compiler_args(compiler_args)}
+                   **parse_compiler_args(neuron_config.compiler_args)}
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="optimum-neuronx-aoti-") as build_dir:
             compile_graph = functools.partial(_compile_graph, decoder, example_inputs, options, build_dir)

@@ -14,8 +14,8 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,9 +23,16 @@ from ...modeling.decoder import Kernels
 
 
 class NeuronKernels(Kernels):
-    """Plain PyTorch, the layers unrolled over their stacked weights: torch-mlir cannot lower `scan`."""
+    """Plain PyTorch, the layers unrolled over their stacked weights (torch-mlir cannot lower `scan`), the fused
+    projections split per shard (`shards` > 1: tensor parallel, modeling/sharding.py)."""
 
     scan_layers = False
+
+    def __init__(self, shards: int = 1):
+        self.shards = shards
+
+    def describe(self) -> dict:
+        return {"scan_layers": False, "shards": self.shards}
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class GraphArgument:
     kind: str  # "weight" or "input"
     shape: tuple[int, ...]
     dtype: str  # torch dtype name, e.g. "float32"
+    sharded_axis: Optional[int] = None  # the axis split across the graph's shards; None: replicated
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class StableHLOGraph:
     arguments: tuple[GraphArgument, ...]
     outputs: tuple[str, ...]  # "kv_cache" (the donated cache, written) and "logits"
     aliases: dict[int, int] = field(default_factory=dict)  # argument index -> output index it is donated to
+    shards: int = 1  # devices the graph is partitioned across (XLA SPMD)
 
     @property
     def sha256(self) -> str:
@@ -50,6 +59,53 @@ class StableHLOGraph:
 
     def argument_index(self, name: str) -> int:
         return next(i for i, argument in enumerate(self.arguments) if argument.name == name)
+
+    def output_axis(self, index: int) -> Optional[int]:
+        """The axis output `index` is split along: a donated argument's, else None (replicated)."""
+        donor = next((a for a, o in self.aliases.items() if o == index), None)
+        return None if donor is None else self.arguments[donor].sharded_axis
+
+    def to_dict(self) -> dict:
+        """The graph's manifest entry: everything but the module text."""
+        return {"name": self.name, "shards": self.shards, "outputs": list(self.outputs),
+                "aliases": {str(a): o for a, o in self.aliases.items()},
+                "arguments": [{"name": a.name, "kind": a.kind, "shape": list(a.shape), "dtype": a.dtype,
+                               "sharded_axis": a.sharded_axis} for a in self.arguments]}
+
+    @classmethod
+    def from_dict(cls, entry: dict, text: str) -> "StableHLOGraph":
+        arguments = tuple(GraphArgument(a["name"], a["kind"], tuple(a["shape"]), a["dtype"], a["sharded_axis"])
+                          for a in entry["arguments"])
+        return cls(entry["name"], text, arguments, tuple(entry["outputs"]),
+                   {int(a): int(o) for a, o in entry["aliases"].items()}, int(entry["shards"]))
+
+
+def hlo_sharding(rank: int, axis: Optional[int], shards: int) -> str:
+    """XLA's sharding of a rank-`rank` array split `shards` ways along `axis` (None: a full copy on every device)."""
+    if axis is None or shards == 1:
+        return "{replicated}"
+    tiles = ",".join(str(shards if i == axis else 1) for i in range(rank))
+    return f"{{devices=[{tiles}]{','.join(map(str, range(shards)))}}}"
+
+
+def partitioned(graph: StableHLOGraph, axes: dict[str, int], shards: int) -> StableHLOGraph:
+    """`graph` partitioned across `shards` devices by XLA SPMD: argument `name` split along `axes[name]` (others
+    replicated), each donated output laid out as its argument, the other outputs replicated."""
+    if shards == 1:
+        return graph
+    arguments = tuple(replace(a, sharded_axis=axes.get(a.name)) for a in graph.arguments)
+    graph = replace(graph, arguments=arguments, shards=shards)
+    argument_attributes = {i: f'mhlo.sharding = "{hlo_sharding(len(a.shape), a.sharded_axis, shards)}"'
+                           for i, a in enumerate(arguments)}
+    text = _with_argument_attributes(graph.text, argument_attributes)
+    header = re.search(r"func\.func @\w+\(.*?\) -> \(([^)]*)\)", text, re.S)
+    results = re.split(r",\s*(?=tensor<)", header.group(1))
+    annotated = []
+    for index, result in enumerate(results):
+        rank = len(re.match(r"tensor<([^>]*)>", result).group(1).split("x")) - 1
+        annotated.append(f'{result} {{mhlo.sharding = "{hlo_sharding(rank, graph.output_axis(index), shards)}"}}')
+    text = text[:header.start(1)] + ", ".join(annotated) + text[header.end(1):]
+    return replace(graph, text=text)
 
 
 def lower_graph(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], name: str) -> StableHLOGraph:
@@ -134,13 +190,24 @@ def _portable(text: str) -> str:
 
 def _with_aliases(text: str, aliases: dict[int, int]) -> str:
     """Mark each aliased argument of the module's public function with `tf.aliasing_output = <output index>`."""
+    return _with_argument_attributes(text, {argument: f"tf.aliasing_output = {output} : i32"
+                                            for argument, output in aliases.items()})
+
+
+def _with_argument_attributes(text: str, attributes: dict[int, str]) -> str:
+    """Add `attributes[i]` to argument i of the module's public function (merged into its `{...}` if it has one)."""
     header = re.search(r"func\.func @\w+\(([^)]*)\)", text)
     if header is None:
         raise ValueError("the lowered module has no public function")
     signature = header.group(1)
-    for argument, output in aliases.items():
-        pattern = rf"(%arg{argument}: tensor<[^>]*>)"
+    for argument, attribute in attributes.items():
+        with_braces = re.search(rf"(%arg{argument}: tensor<[^>]*> \{{)([^}}]*)\}}", signature)
+        if with_braces:
+            signature = (signature[:with_braces.start()] + with_braces.group(1) + with_braces.group(2)
+                         + f", {attribute}}}" + signature[with_braces.end():])
+            continue
+        pattern = rf"(%arg{argument}: tensor<[^>]*>)(?=[,]|$)"
         if not re.search(pattern, signature):
             raise ValueError(f"argument {argument} is not in the lowered function's signature")
-        signature = re.sub(pattern, rf"\1 {{tf.aliasing_output = {output} : i32}}", signature, count=1)
+        signature = re.sub(pattern, rf"\1 {{{attribute}}}", signature, count=1)
     return text[:header.start(1)] + signature + text[header.end(1):]
