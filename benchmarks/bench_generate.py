@@ -1,5 +1,6 @@
 """Generation benchmark: Transformers eager, Transformers static cache + torch.compile (its `generate` compiling
-the decode step), and optimum-neuronx compiled graphs, side by side in one run on the same prompts, with the
+the decode step), and optimum-neuronx compiled graphs (the inductor backend, and the neuron backend's StableHLO graphs
+on the XLA CPU device where no Neuron device is), side by side in one run on the same prompts, with the
 machine's memory-bandwidth bound.
 
     python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt (2 cores: 3-5 min)
@@ -45,7 +46,7 @@ from typing import Callable
 
 import torch
 # this script's directory is on sys.path when it runs
-from bench_report import SYSTEMS, fastest_gb_s, label_repeats, markdown, plot
+from bench_report import OUR_BACKENDS, SYSTEMS, fastest_gb_s, label_repeats, markdown, plot
 
 from optimum_neuronx.configuration import TORCH_DTYPES
 
@@ -197,14 +198,15 @@ def export_for_batch(job: dict, batch_size: int, prompts: list[int]) -> Path:
     Its context buckets are the prompt lengths timed at that batch size; token buckets reach the decode length."""
     from optimum_neuronx import NeuronModelForCausalLM
 
-    checkpoint, dtype = Path(job["checkpoint"]), job["dtype"]
+    checkpoint, dtype, backend = Path(job["checkpoint"]), job["dtype"], OUR_BACKENDS[job["system"]]
     decode_length = prompts[0] + job["new_tokens"]
     sequence_length = max(decode_length, prompts[-1] + 1)
-    export_dir = Path(job["work"]) / f"{checkpoint.name}-{dtype}-b{batch_size}-p{'_'.join(map(str, prompts))}"
+    export_dir = Path(job["work"]) / f"{checkpoint.name}-{dtype}-{backend}-b{batch_size}-p{'_'.join(map(str, prompts))}"
     if not (export_dir / "neuron_config.json").exists():
         NeuronModelForCausalLM.from_pretrained(
             checkpoint, export=True, compile_cache=False, batch_size=batch_size, sequence_length=sequence_length,
             context_buckets=prompts, token_buckets=sorted({decode_length, sequence_length}), auto_cast_type=dtype,
+            backend=backend,
         ).save_pretrained(export_dir)
     return export_dir
 
@@ -248,14 +250,15 @@ def run_system(job: dict) -> dict:
     result: dict = {}
     extra = {}
     try:
-        if system == "optimum-neuronx (inductor)":
+        if system in OUR_BACKENDS:
             export_dir = export_for_batch(job, batch_size, prompts)
             start = time.perf_counter()
             model = NeuronModelForCausalLM.from_pretrained(export_dir)
             result["reload_s"] = time.perf_counter() - start
             stamp = json.loads((export_dir / "neuron_config.json").read_text())
             result["compile_s_per_graph"] = stamp["compile_time_s"]
-            result["weights_huge_page_share"] = weights_huge_page_share(model)
+            if model.neuron_config.backend == "inductor":
+                result["weights_huge_page_share"] = weights_huge_page_share(model)
         else:
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).eval()
             if system == "transformers static+compile":
@@ -266,7 +269,7 @@ def run_system(job: dict) -> dict:
         if "compile_config" in extra and not hasattr(model, "_compiled_call"):
             raise RuntimeError("generate ran the static cache without compiling its decode step")
         result["peak_rss_gib"] = peak_rss_gib()  # before the check below loads a reference model
-        if system == "optimum-neuronx (inductor)":
+        if system in OUR_BACKENDS:
             result["greedy_tokens_match"] = greedy_matches_eager(model, job, batch_size)
     except Exception as err:  # record, don't hide, a system that does not work here
         result = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
@@ -376,7 +379,7 @@ def run_batches(job: dict, timeout: float, probe=None) -> dict[int, dict]:
     """One system at each of job["batch_sizes"]: our exports first (compiled in a process of their own, so peak
     RSS is the serving process's), then one process per batch size, taking turns. Batch size -> its numbers."""
     batch_sizes = job["batch_sizes"]
-    if job["system"] == "optimum-neuronx (inductor)":
+    if job["system"] in OUR_BACKENDS:
         exported = run_jobs([dict(job, export_only=True)], timeout)[0]
         if "error" in exported:
             return {batch_size: exported for batch_size in batch_sizes}
@@ -581,8 +584,10 @@ def main():
     print(table)
     for r in rows:  # one export per (model, dtype, batch size)
         if "compile_s_per_graph" in r:
-            print(f"{r['model']} {r['dtype']} batch {r['batch_size']}: compile s/graph {r['compile_s_per_graph']}, "
-                  f"reload {r['reload_s']:.2f} s, weights in huge pages {100 * r['weights_huge_page_share']:.0f}%")
+            pages = (f", weights in huge pages {100 * r['weights_huge_page_share']:.0f}%"
+                     if "weights_huge_page_share" in r else "")
+            print(f"{r['model']} {r['dtype']} batch {r['batch_size']} {r['system']}: compile s/graph "
+                  f"{r['compile_s_per_graph']}, reload {r['reload_s']:.2f} s{pages}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
-SYSTEMS = ("transformers eager", "transformers static+compile", "optimum-neuronx (inductor)")
+# Our systems, each one of the package's backends.
+OUR_BACKENDS = {"optimum-neuronx (inductor)": "inductor", "optimum-neuronx (neuron)": "neuron"}
+SYSTEMS = ("transformers eager", "transformers static+compile", *OUR_BACKENDS)
 
 
 def fastest_gb_s(sample: dict) -> float:

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from .digests import file_sha256
 from .artifacts import VOLATILE_CONFIG_KEYS, ArtifactError, atomic_directory, copy_artifact_files, read_artifact
 
 logger = logging.getLogger(__name__)
@@ -76,14 +77,6 @@ def _differences(cached: dict, wanted: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class CompileCache:
     """Local entries under `root`; with `hub_repo` (or $OPTIMUM_NEURONX_CACHE_REPO), a Hub model repo whose
     folders `<key>/` are entries too: fetched on a local miss, pushed after a new export."""
@@ -131,7 +124,7 @@ class CompileCache:
         except (OSError, json.JSONDecodeError, ArtifactError) as err:
             return str(err)
         for name, sha in meta["sha256"].items():
-            if not (entry / name).is_file() or _sha256(entry / name) != sha:
+            if not (entry / name).is_file() or file_sha256(entry / name) != sha:
                 return f"{name} does not match its sha256"
         return None
 
@@ -151,7 +144,7 @@ class CompileCache:
         entry = self.entry_dir(key)
         with atomic_directory(entry) as staging:
             copy_artifact_files(artifact_dir, staging)
-            sha = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+            sha = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
             meta = {"fields": key.fields, "digest": key.digest, "created": time.time(), "sha256": sha}
             (staging / ENTRY_META).write_text(json.dumps(meta, indent=1, default=str))
         return entry

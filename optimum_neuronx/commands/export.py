@@ -45,7 +45,7 @@ def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: powers of two from 128 up to sequence_length)")
     parser.add_argument("--compiler_args", action="append", default=[], metavar="ARG",
                         help="backend option, repeatable; inductor: NAME=VALUE, a torch._inductor.config option; "
-                             "neuron: a neuronx-cc flag, e.g. -O3")
+                             "neuron: a neuronx-cc flag, e.g. --compiler_args=-O3")
 
 
 def neuron_config_from_args(args: argparse.Namespace):

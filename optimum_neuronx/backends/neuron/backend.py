@@ -13,18 +13,17 @@ every graph; the KV cache lives on the device(s) and is donated to each call, wh
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 
 from ...configuration import GraphSpec
+from ...digests import file_sha256
 from ...modeling.decoder import StaticDecoder
 from ...modeling.sharding import KV_CACHE_AXIS, ShardLayout
 from ..base import Backend, CompiledGraph
@@ -47,14 +46,6 @@ def _version(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class NeuronBackend(Backend):
@@ -130,7 +121,7 @@ class NeuronBackend(Backend):
                     "argv": neuronx_cc.argv(Path(f"<graph>{suffix}"), Path("<graph>.neff"), instance,
                                             neuron_config.auto_cast_type, neuron_config.compiler_args)}
         for entry in entries.values():
-            entry["sha256"] = {name: _sha256(out_dir / name) for name in entry["files"].values()}
+            entry["sha256"] = {name: file_sha256(out_dir / name) for name in entry["files"].values()}
         manifest = {
             "format": MANIFEST_FORMAT,
             "tp_degree": tp,
@@ -220,7 +211,7 @@ def read_manifest(artifact_dir: Path) -> dict:
             for name, digest in entry["sha256"].items():
                 if Path(name).name != name:
                     raise ValueError(f"file name {name!r} is not a plain name in the export directory")
-                if _sha256(Path(artifact_dir) / name) != digest:
+                if file_sha256(Path(artifact_dir) / name) != digest:
                     raise ValueError(f"{name} does not match its sha256: the file is corrupted or was replaced")
     except (OSError, KeyError, TypeError, json.JSONDecodeError, ValueError) as err:
         raise ValueError(f"{path}: {err}. {redo}") from None

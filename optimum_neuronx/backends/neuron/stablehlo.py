@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ...modeling.decoder import Kernels
 
@@ -32,7 +33,19 @@ class NeuronKernels(Kernels):
         self.shards = shards
 
     def describe(self) -> dict:
-        return {"scan_layers": False, "shards": self.shards}
+        return {"scan_layers": False, "shards": self.shards, "attention": "kv-heads-major"}
+
+    def attention(self, q, keys, values, mask, scale, tokens):
+        # KV heads ahead of the batch: the batched matmuls flatten those two leading axes into one, and XLA can keep
+        # a split across devices only on the major one (with the batch first it would gather every head per device).
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                             attn_mask=mask.transpose(0, 1), scale=scale)
+        return out.transpose(0, 1)
+
+    def window_attention(self, q, cache_kv, new_kv, cache_mask, new_mask, scale, tokens):
+        keys = torch.cat((cache_kv[0], new_kv[0]), dim=2)
+        values = torch.cat((cache_kv[1], new_kv[1]), dim=2)
+        return self.attention(q, keys, values, torch.cat((cache_mask, new_mask), dim=-1), scale, tokens)
 
 
 @dataclass(frozen=True)
