@@ -2,7 +2,8 @@
 written and copied whole or not at all. (The weights file itself: weights_io.py.)
 
     config.json, generation_config.json, tokenizer files   (Transformers' own formats)
-    neuron_config.json   NeuronConfig + graphs + versions + config hash + file sizes
+    neuron_config.json   NeuronConfig + graphs + versions + every file's size and sha256 + the export hash over all
+                         of them (and config.json)
     model.safetensors    the decoder weights, once, shared by every graph
     <backend files>      the compiled graphs (inductor: model.pt2)
 """
@@ -23,6 +24,7 @@ import torch
 
 from .backends import get_backend
 from .configuration import NEURON_CONFIG_NAME, GraphSpec, NeuronConfig
+from .digests import file_sha256
 from .version import ARTIFACT_FORMAT_VERSION, __version__
 
 logger = logging.getLogger(__name__)
@@ -37,11 +39,35 @@ class ArtifactError(ValueError):
     """The directory is not a loadable export of this package (the message says why and what to do)."""
 
 
-def config_hash(config_dict: dict, neuron_config: NeuronConfig) -> str:
-    """Hash of everything that determines the compiled graphs: model config, NeuronConfig, backend."""
+def config_hash(config_dict: dict, neuron_config: NeuronConfig, graphs: list, files: dict) -> str:
+    """The export's hash: model config, NeuronConfig (backend included), the graph list and every file's size and
+    sha256. Editing any of them without recomputing it is caught at load."""
     model = {k: v for k, v in config_dict.items() if k not in VOLATILE_CONFIG_KEYS}
-    payload = json.dumps({"model": model, "neuron": neuron_config.to_dict()}, sort_keys=True, default=str)
+    payload = json.dumps({"model": model, "neuron": neuron_config.to_dict(), "graphs": graphs, "files": files},
+                         sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def export_identity(directory: str | Path) -> str:
+    """sha256 of the export's neuron_config.json: it names every file's digest, so it identifies the whole export."""
+    return file_sha256(Path(directory) / NEURON_CONFIG_NAME)
+
+
+def check_file_name(directory: Path, name: str) -> Path:
+    """`directory / name` for a file name an export lists, refused unless it is a plain file name in `directory`
+    (no absolute path, no separator, no `..`, not a symlink)."""
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", "..") or "\\" in name:
+        raise ArtifactError(f"{directory / NEURON_CONFIG_NAME} lists {name!r}, which is not a plain file name of the "
+                            f"export directory: refusing to read it.")
+    path = Path(directory) / name
+    if path.is_symlink():
+        # A Hub snapshot's files link to its repo's blobs folder (huggingface_hub's cache layout); nothing else.
+        allowed = [Path(directory).resolve()]
+        if Path(directory).absolute().parent.name == "snapshots":
+            allowed.append((Path(directory).absolute().parent.parent / "blobs").resolve())
+        if not any(path.resolve().is_relative_to(root) for root in allowed):
+            raise ArtifactError(f"{path} is a symbolic link out of the export directory. Refusing to read it.")
+    return path
 
 
 def _read_json(path: Path) -> dict:
@@ -57,18 +83,21 @@ def write_neuron_config(
     import transformers
 
     directory = Path(directory)
+    graph_list = [{"kind": g.kind, "tokens": g.tokens, "window": g.window} for g in graphs]
+    file_list = {name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)}
+                 for name in files}
     meta = {
         "artifact_format": ARTIFACT_FORMAT_VERSION,
         "neuron_config": neuron_config.to_dict(),
-        "graphs": [{"kind": g.kind, "tokens": g.tokens, "window": g.window} for g in graphs],
+        "graphs": graph_list,
         "versions": {
             "optimum_neuronx": __version__,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "compiler": {"name": neuron_config.backend, **compiler},  # version, target
         },
-        "config_hash": config_hash(_read_json(directory / CONFIG_NAME), neuron_config),
-        "files": {name: {"size": (directory / name).stat().st_size} for name in files},
+        "config_hash": config_hash(_read_json(directory / CONFIG_NAME), neuron_config, graph_list, file_list),
+        "files": file_list,
         "compile_time_s": {name: round(t, 3) for name, t in compile_times.items()},
     }
     with open(directory / NEURON_CONFIG_NAME, "w") as f:
@@ -76,8 +105,11 @@ def write_neuron_config(
     return meta
 
 
-def read_artifact(directory: str | Path) -> tuple[NeuronConfig, dict]:
-    """Validate an exported directory and return its NeuronConfig and metadata, or raise ArtifactError."""
+def read_artifact(directory: str | Path, check_digests: bool = False) -> tuple[NeuronConfig, dict]:
+    """Validate an exported directory and return its NeuronConfig and metadata, or raise ArtifactError.
+
+    Every listed file's size is checked; with `check_digests` (an export from a new source, `neuron verify`) its
+    sha256 too."""
     directory = Path(directory)
     meta_path = directory / NEURON_CONFIG_NAME
     if not meta_path.is_file():
@@ -110,20 +142,31 @@ def read_artifact(directory: str | Path) -> tuple[NeuronConfig, dict]:
     if missing:
         raise ArtifactError(f"{directory} cannot run on this machine: {missing}. Export it on this machine "
                             f"(or one like it). {redo}")
-    for name, info in meta.get("files", {}).items():
-        path = directory / name
+    files, graphs = meta.get("files"), meta.get("graphs")
+    if not isinstance(files, dict) or not isinstance(graphs, list) or not all(
+            isinstance(info, dict) and isinstance(info.get("size"), int) and isinstance(info.get("sha256"), str)
+            for info in files.values()):
+        raise ArtifactError(f"{meta_path} lists its files or graphs in an unreadable form. {redo}")
+    for name, info in files.items():
+        path = check_file_name(directory, name)
         if not path.is_file():
             raise ArtifactError(f"{directory} is missing {name}. {redo}")
         size = path.stat().st_size
         if size != info["size"]:
             raise ArtifactError(f"{path} has {size} bytes but the export wrote {info['size']}: the file is "
                                 f"truncated or was replaced. {redo}")
-    if not (directory / CONFIG_NAME).is_file():
+        if check_digests and file_sha256(path) != info["sha256"]:
+            raise ArtifactError(f"{path} does not match its sha256 in {NEURON_CONFIG_NAME}: the file is corrupted "
+                                f"or was replaced. {redo}")
+    if not check_file_name(directory, CONFIG_NAME).is_file():
         raise ArtifactError(f"{directory} is missing {CONFIG_NAME}. {redo}")
-    expected = config_hash(_read_json(directory / CONFIG_NAME), neuron_config)
+    try:
+        expected = config_hash(_read_json(directory / CONFIG_NAME), neuron_config, graphs, files)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{directory / CONFIG_NAME} is not JSON ({err}). {redo}") from None
     if meta.get("config_hash") != expected:
         raise ArtifactError(f"{directory}: config.json or {NEURON_CONFIG_NAME} no longer matches what was compiled "
-                            f"(config hash {meta.get('config_hash')} != {expected}). {redo}")
+                            f"(export hash {meta.get('config_hash')} != {expected}). {redo}")
     return neuron_config, meta
 
 
@@ -135,7 +178,8 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     """
     target = Path(target).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    _remove_stale_staging(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
         yield staging
         if not target.exists():
@@ -150,6 +194,29 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
             os.replace(staging / name, target / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_stale_staging(target: Path) -> None:
+    """Remove staging folders of `target` left by processes that died mid-write (killed: no `finally` ran)."""
+    prefix = f".{target.name}.tmp-"
+    for entry in target.parent.iterdir():
+        if not entry.name.startswith(prefix):
+            continue
+        pid = entry.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        logger.info("Removing %s, left by an interrupted write (process %s)", entry, pid)
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def copy_artifact_files(source: Path, destination: Path, exclude: tuple[str, ...] = ()) -> None:

@@ -21,6 +21,7 @@ from typing import Iterator, Optional
 import torch
 
 from .digests import file_sha256
+from .trust import record_produced_here
 from .artifacts import VOLATILE_CONFIG_KEYS, ArtifactError, atomic_directory, copy_artifact_files, read_artifact
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class CompileCache:
             sha = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
             meta = {"fields": key.fields, "digest": key.digest, "created": time.time(), "sha256": sha}
             (staging / ENTRY_META).write_text(json.dumps(meta, indent=1, default=str))
+        record_produced_here(entry, "cache")
         return entry
 
     def fetch(self, key: CacheKey) -> Optional[Path]:

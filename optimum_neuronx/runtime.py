@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .artifacts import ArtifactError, atomic_directory, copy_artifact_files, read_artifact
 from .backends import get_backend
 from .buckets import context_bucket, token_bucket
+from .cache import CompileCache
 from .configuration import GraphSpec, NeuronConfig
 from .exporters.registry import get_export_config
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
@@ -113,6 +114,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         # One generate (or forward) at a time: calls share the KV cache, and an AOTInductor runner keeps the GIL
         # while it waits for a graph another thread is running, which would deadlock the process.
         self._lock = threading.RLock()
+        self._generating = threading.local()  # set while this thread runs generate (a streamer may call back in)
         if generation_config is not None:
             # A checkpoint's own cache choice (e.g. cache_implementation="hybrid") is for Transformers' caches; the
             # graphs keep theirs, so it is dropped here rather than warned about on every generate.
@@ -163,7 +165,6 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             if neuron_config is not None and neuron_kwargs:
                 raise ValueError(f"Pass either neuron_config or {sorted(neuron_kwargs)}, not both.")
             neuron_config = neuron_config or NeuronConfig(**neuron_kwargs)
-            from .cache import CompileCache
             from .exporters.export import export as run_export
 
             tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
@@ -173,9 +174,12 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True, huge_pages=huge_pages)
         from .hub import DOWNLOAD_KWARGS
 
+        trust_remote_code = bool(kwargs.pop("trust_remote_code", False))
         _warn_ignored("from_pretrained", {k: v for k, v in kwargs.items() if k not in DOWNLOAD_KWARGS})
-        artifact_dir = _resolve_artifact_dir(model_id, kwargs)
-        model = cls._from_artifact(artifact_dir, huge_pages=huge_pages)
+        artifact_dir, downloaded = _resolve_artifact_dir(model_id, kwargs)
+        rebuild_cache = (CompileCache(compile_cache_dir, compile_cache_repo, kwargs.get("token")) if compile_cache
+                         else None)
+        model = cls._from_trusted_artifact(artifact_dir, downloaded, trust_remote_code, rebuild_cache, huge_pages)
         requested = dict(neuron_kwargs, **(neuron_config.to_dict() if neuron_config else {}))
         compiled = model.neuron_config.to_dict()
         differing = {k: v for k, v in NeuronConfig(**{**compiled, **requested}).to_dict().items() if compiled[k] != v}
@@ -186,6 +190,32 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                   f"NeuronModelForCausalLM.from_pretrained(<original model>, export=True, ...)."
             )
         return model
+
+    @classmethod
+    def _from_trusted_artifact(cls, artifact_dir: Path, downloaded: bool, trust_remote_code: bool, cache,
+                               huge_pages: Optional[bool]) -> "NeuronModelForCausalLM":
+        """Load an export whose compiled graphs (native code) this machine produced, or the caller trusts; rebuild
+        the graphs of any other here from its config and weights first. Digests are checked for an export from a
+        new source (a download, a path it was not recorded at, one not produced here)."""
+        from .trust import provenance, record_produced_here
+
+        origin = provenance(artifact_dir)
+        neuron_config, _ = read_artifact(artifact_dir, check_digests=downloaded or origin != "here")
+        if origin != "foreign":
+            record_produced_here(artifact_dir, "copied")
+            return cls._from_artifact(artifact_dir, huge_pages=huge_pages)
+        if trust_remote_code:
+            record_produced_here(artifact_dir, "trusted by the user")
+            return cls._from_artifact(artifact_dir, huge_pages=huge_pages)
+        from .exporters.export import export as run_export
+
+        logger.info("%s was not exported on this machine: its compiled graphs are native code, which is loaded only "
+                    "with trust_remote_code=True. Rebuilding the graphs here from its config and weights (once: the "
+                    "compile cache keeps them).", artifact_dir)
+        tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
+        out_dir = Path(tmpdir.name) / "model"
+        run_export(str(artifact_dir), out_dir, neuron_config, cache=cache, from_export=True)
+        return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True, huge_pages=huge_pages)
 
     @classmethod
     def _from_artifact(cls, artifact_dir: Path, tmpdir=None, compiled: bool = False,
@@ -257,8 +287,16 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             if fitted is not None:
                 kwargs["max_new_tokens"] = fitted
                 kwargs.pop("max_length", None)
+        if getattr(self._generating, "active", False):
+            raise RuntimeError("generate was called on this model while its own generate is running in the same thread "
+                               "(e.g. from a streamer or stopping criterion): both would share one KV cache. Call it "
+                               "after the outer generate returns, or load a second model for the inner one.")
         with self._lock:
-            return super().generate(inputs, generation_config=generation_config, **kwargs)
+            self._generating.active = True
+            try:
+                return super().generate(inputs, generation_config=generation_config, **kwargs)
+            finally:
+                self._generating.active = False
 
     @staticmethod
     def _drop_cache_options(config: GenerationConfig, generation_config, kwargs: dict):
@@ -311,6 +349,8 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                              f"ids[None], shape [1, n].")
         if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
+        if input_ids.shape[0] == 0:
+            raise ValueError(f"input_ids holds no prompts (shape {tuple(input_ids.shape)}): pass at least one row.")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids holds no tokens: a prompt needs at least one (e.g. the tokenizer's BOS token).")
         low, high = (int(v) for v in torch.aminmax(input_ids))
@@ -348,6 +388,15 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         self._check_batch(input_ids.shape[0], f"batch of {input_ids.shape[0]} sequences")
         if attention_mask is not None:
             attention_mask = attention_mask.to(torch.bool)
+            empty = (~attention_mask.any(dim=-1)).nonzero().flatten().tolist()
+            if empty:
+                raise ValueError(f"attention_mask row(s) {empty} mark no token as real (all zeros): those rows have "
+                                 f"nothing to attend to. Drop them from the batch, or pass the mask the tokenizer "
+                                 f"returned with the ids.")
+        if isinstance(past_key_values, CacheHandle) and past_key_values is not self._handle:
+            raise ValueError("past_key_values is a cache handle this model no longer holds: a newer context replaced "
+                             "its cache (or it belongs to another model). Continue with the handle returned last, or "
+                             "pass past_key_values=None to start a new context.")
         with self._lock:
             logits = self._run(input_ids, attention_mask, past_key_values, logits_to_keep)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
@@ -419,13 +468,14 @@ AutoConfig.register(NeuronCausalLMConfig.model_type, NeuronCausalLMConfig, exist
 AutoModelForCausalLM.register(NeuronCausalLMConfig, NeuronModelForCausalLM, exist_ok=True)
 
 
-def _resolve_artifact_dir(model_id: str | Path, hub_kwargs: dict) -> Path:
+def _resolve_artifact_dir(model_id: str | Path, hub_kwargs: dict) -> tuple[Path, bool]:
+    """The export's directory, and whether it was downloaded (a new source: its digests are checked)."""
     path = Path(model_id)
     if path.is_dir():
-        return path
+        return path, False
     text = str(model_id)
     if path.is_absolute() or text.startswith(".") or text.count("/") > 1 or isinstance(model_id, Path):
         raise ArtifactError(f"{model_id} is not a directory (and not a Hub repo id): nothing to load.")
     from .hub import DOWNLOAD_KWARGS, download_artifact
 
-    return download_artifact(text, **{k: hub_kwargs[k] for k in DOWNLOAD_KWARGS if k in hub_kwargs})
+    return download_artifact(text, **{k: hub_kwargs[k] for k in DOWNLOAD_KWARGS if k in hub_kwargs}), True

@@ -96,19 +96,13 @@ def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) 
 
     from .huge_pages import huge_page_buffer, settle
 
-    with open(path, "rb") as f:
-        header_bytes = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_bytes))
+    header, data_start = read_safetensors_header(path)
     dtypes = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
-    file_size, data_start = os.path.getsize(path), 8 + header_bytes
     layout, size = {}, 0  # name -> (file offset, bytes, buffer offset)
     for name, info in header.items():
         if name == "__metadata__" or name in exclude:
             continue
         begin, end = info["data_offsets"]
-        if info["dtype"] not in dtypes or not 0 <= begin <= end <= file_size - data_start:
-            raise ArtifactError(f"{path}: weight {name!r} ({info['dtype']}, bytes {begin}-{end}) is not readable "
-                                f"from a file of {file_size} bytes. Re-export the model.")
         size += -size % WEIGHTS_ALIGNMENT
         layout[name] = (data_start + begin, end - begin, size)
         size += end - begin
@@ -139,6 +133,59 @@ def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) 
                        100 * share, path)
     return {name: buffer[start:start + count].view(dtypes[header[name]["dtype"]]).view(header[name]["shape"])
             for name, (_, count, start) in layout.items()}
+
+
+# The safetensors library's own limit on a header's size.
+MAX_HEADER_BYTES = 100 << 20
+
+
+def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
+    """The header of the safetensors file at `path` and where its data starts, checked as strictly as the safetensors
+    library checks it: a JSON object of tensors with known dtypes and non-negative shapes whose byte ranges tile the
+    data exactly (in order from 0, no gap, no overlap, each dtype size x elements long, ending at the file's end).
+    ArtifactError naming the tensor otherwise: bytes are never read past the file or reinterpreted."""
+    redo = "The file is corrupted or was edited: re-export the model."
+    file_size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header_bytes = int.from_bytes(f.read(8), "little")
+        if not 2 <= header_bytes <= min(MAX_HEADER_BYTES, file_size - 8):
+            raise ArtifactError(f"{path}: a header of {header_bytes} bytes does not fit a {file_size}-byte file. {redo}")
+        try:
+            header = json.loads(f.read(header_bytes))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ArtifactError(f"{path}: the header is not JSON ({err}). {redo}") from None
+    if not isinstance(header, dict):
+        raise ArtifactError(f"{path}: the header is not a JSON object. {redo}")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ArtifactError(f"{path}: __metadata__ must map names to strings. {redo}")
+    sizes = {code: torch.empty(0, dtype=dtype).element_size() for dtype, code in _SAFETENSORS_DTYPES.items()}
+    ranges = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            if dtype not in sizes or not all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end)):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise ArtifactError(f"{path}: tensor {name!r} has a malformed entry {info!r}. {redo}") from None
+        elements = 1
+        for n in shape:
+            elements *= n
+        if end - begin != elements * sizes[dtype]:
+            raise ArtifactError(f"{path}: tensor {name!r} ({dtype}, shape {shape}) needs {elements * sizes[dtype]} "
+                                f"bytes but its data_offsets {[begin, end]} span {end - begin}. {redo}")
+        ranges.append((begin, end, name))
+    at, data_size = 0, file_size - 8 - header_bytes
+    for begin, end, name in sorted(ranges):
+        if begin != at:
+            raise ArtifactError(f"{path}: tensor {name!r} starts at byte {begin} of the data, expected {at} "
+                                f"({'a gap' if begin > at else 'an overlap'} between tensors). {redo}")
+        at = end
+    if at != data_size:
+        raise ArtifactError(f"{path}: the tensors cover {at} bytes of data, the file holds {data_size}. {redo}")
+    return header, 8 + header_bytes
 
 
 def _drop_cached(path: str) -> None:

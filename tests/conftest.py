@@ -161,18 +161,19 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_compile_cache(tmp_path_factory):
-    """Every export in the tests uses a compile cache of its own session, never the user's."""
-    import os
-
+    """Every export in the tests uses a compile cache and a provenance record of its own session, never the user's."""
     from optimum_neuronx.cache import CACHE_ENV
+    from optimum_neuronx.trust import PROVENANCE_ENV
 
-    previous = os.environ.get(CACHE_ENV)
+    previous = {name: os.environ.get(name) for name in (CACHE_ENV, PROVENANCE_ENV)}
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("compile-cache"))
+    os.environ[PROVENANCE_ENV] = str(tmp_path_factory.mktemp("provenance"))
     yield os.environ[CACHE_ENV]
-    if previous is None:
-        os.environ.pop(CACHE_ENV)
-    else:
-        os.environ[CACHE_ENV] = previous
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = value
 
 
 def assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask):

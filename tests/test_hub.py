@@ -108,7 +108,8 @@ if sys.argv[4] == "refuse-compile":
 from optimum_neuronx import NeuronModelForCausalLM
 m = NeuronModelForCausalLM.from_pretrained(sys.argv[1], export=True, compile_cache_dir=sys.argv[2],
                                            compile_cache_repo=sys.argv[3], batch_size=1, sequence_length=32,
-                                           context_buckets=[16], token_buckets=[32])
+                                           context_buckets=[16], token_buckets=[32],
+                                           trust_remote_code=sys.argv[5] == "trust")
 print(m.generate(__import__("torch").tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False).tolist())
 """
 
@@ -117,20 +118,60 @@ def test_hub_backed_compile_cache_shares_entries(hub, tiny_checkpoint, tmp_path)
     import subprocess
     import sys
 
-    def cached_export(cache_dir, mode):
-        return subprocess.run([sys.executable, "-c", CACHED_EXPORT, str(tiny_checkpoint("qwen3")), str(cache_dir),
-                               "me/compile-cache", mode], capture_output=True, text=True, timeout=600,
-                              env=hub_env(hub.url, tmp_path / f"home-{mode}"))
+    def cached_export(machine, mode, trust="trust"):
+        env = dict(hub_env(hub.url, tmp_path / f"home-{machine}"),
+                   OPTIMUM_NEURONX_PROVENANCE=str(tmp_path / f"provenance-{machine}"))
+        return subprocess.run([sys.executable, "-c", CACHED_EXPORT, str(tiny_checkpoint("qwen3")),
+                               str(tmp_path / machine), "me/compile-cache", mode, trust], capture_output=True,
+                              text=True, timeout=600, env=env)
 
-    first = cached_export(tmp_path / "machine-a", "compile")
+    first = cached_export("machine-a", "compile")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "Compile cache miss" in first.stderr and "Pushed compile cache entry" in first.stderr
     pushed = hub.state.repos["me/compile-cache"]["files"]
     assert any(name.endswith("/model.pt2") for name in pushed) and any(n.endswith("/cache_entry.json") for n in pushed)
 
-    second = cached_export(tmp_path / "machine-b", "refuse-compile")  # empty local cache, same Hub repo
+    second = cached_export("machine-b", "refuse-compile")  # empty local cache, same Hub repo, trusted
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Fetched compile cache entry" in second.stderr and "Compile cache hit" in second.stderr
+    assert second.stdout == first.stdout
+
+    # without trust_remote_code the Hub entries' native code is never fetched: this machine compiles
+    untrusted = cached_export("machine-c", "compile", trust="no")
+    assert untrusted.returncode == 0, untrusted.stderr[-3000:]
+    assert "is not consulted" in untrusted.stderr and "Fetched compile cache entry" not in untrusted.stderr
+    assert untrusted.stdout == first.stdout
+
+
+def test_a_poisoned_hub_cache_entry_is_not_used(hub, tiny_checkpoint, tmp_path):
+    # Whoever can write the cache repo swaps the weights of an entry and fixes the entry's own sha256 list: the
+    # weights no longer are the ones its key names, so the entry is evicted and the export compiles here.
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    def cached_export(machine, mode):
+        env = dict(hub_env(hub.url, tmp_path / f"home-{machine}"),
+                   OPTIMUM_NEURONX_PROVENANCE=str(tmp_path / f"provenance-{machine}"))
+        return subprocess.run([sys.executable, "-c", CACHED_EXPORT, str(tiny_checkpoint("qwen2")),
+                               str(tmp_path / machine), "me/poisoned-cache", mode, "trust"], capture_output=True,
+                              text=True, timeout=600, env=env)
+
+    first = cached_export("machine-a", "compile")
+    assert first.returncode == 0, first.stderr[-3000:]
+    files = hub.state.repos["me/poisoned-cache"]["files"]
+    weights_name = next(name for name in files if name.endswith("/model.safetensors"))
+    weights = bytearray(files[weights_name])
+    weights[-64:] = bytes(b ^ 0x55 for b in weights[-64:])
+    files[weights_name] = bytes(weights)
+    meta_name = weights_name.replace("model.safetensors", "cache_entry.json")
+    meta = json.loads(files[meta_name])
+    meta["sha256"]["model.safetensors"] = hashlib.sha256(weights).hexdigest()
+    files[meta_name] = json.dumps(meta).encode()
+    second = cached_export("machine-b", "compile")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "holds other weights than its key names: evicted, compiling here" in second.stderr
     assert second.stdout == first.stdout
 
 

@@ -15,7 +15,7 @@ LAYERS = [
     ("modeling",),
     ("memory", "huge_pages", "buckets"),
     ("backends",),
-    ("artifacts", "weights_io", "cache", "hub"),
+    ("artifacts", "weights_io", "trust", "cache", "hub"),
     ("exporters",),
     ("kv_cache", "runtime", "verification", "utils"),
     ("pipelines", "commands", "__init__"),

@@ -331,6 +331,50 @@ def test_executables_of_another_platform_or_plugin_version_are_refused(neuron_mo
         NeuronModelForCausalLM.from_pretrained(tmp_path / "saved")
 
 
+class _FakeNeuronClient:
+    """What a Neuron PJRT plugin's client reports (contract only: the plugin itself never runs here)."""
+
+    platform, platform_version = "neuron", "2.33.0"
+
+    def __init__(self, device_kind="NC_v2"):
+        import types
+
+        self._devices = [types.SimpleNamespace(id=0, device_kind=device_kind)]
+
+    def devices(self):
+        return self._devices
+
+
+def test_the_neuron_plugin_is_preferred_where_it_is_installed(monkeypatch, caplog):
+    import importlib.util
+    import logging
+
+    from jax._src import xla_bridge
+
+    fake = _FakeNeuronClient()
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "libneuronxla" else real_find_spec(name, *a))
+    monkeypatch.setattr(xla_bridge, "get_backend", lambda platform=None: fake if platform == "neuron" else None)
+    with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
+        assert pjrt.default_client() is fake
+    assert "XLA CPU device" not in caplog.text
+
+
+@pytest.mark.parametrize("device_kind, exported_for, message", [
+    ("NC_v2", "inf2.48xlarge", r"compiled for 'cpu .*', but this machine runs 'neuron 2.33.0'"),
+    ("NC_v3", "inf2.48xlarge", r"compiled for inf2.48xlarge \(NeuronCore-v2\), but this machine's Neuron devices "
+                               r"are 'NC_v3'.*instance_type='trn2'"),
+])
+def test_an_export_for_another_device_generation_or_platform_is_refused(device_kind, exported_for, message):
+    from pathlib import Path
+
+    manifest = {"instance_type": exported_for, "neff": None,
+                "executables": {"platform": "cpu", "platform_version": "cpu 0.10.2"}}
+    with pytest.raises(ValueError, match=message):
+        neuron.check_platform(manifest, _FakeNeuronClient(device_kind), Path("export"))
+
+
 def test_a_corrupted_graph_file_is_refused(neuron_model, tmp_path):
     directory = tmp_path / "saved"
     neuron_model(1).save_pretrained(directory)

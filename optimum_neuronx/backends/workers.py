@@ -70,7 +70,7 @@ def map_in_workers(function: Callable[[Item], Result], items: Sequence[Item], wo
     results: dict[int, Result] = {}
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                             initargs=(setup, function, items)) as pool, \
+                             initargs=(setup, function, items, os.getpid())) as pool, \
             tqdm(total=len(items), desc=desc, unit=unit) as progress:
         futures = {pool.submit(_run_job, index): index for index in range(len(items))}
         try:
@@ -90,10 +90,28 @@ def map_in_workers(function: Callable[[Item], Result], items: Sequence[Item], wo
     return [results[index] for index in range(len(items))]
 
 
-def _start_worker(setup: Callable[[], None], function: Callable, items: Sequence) -> None:
+def _start_worker(setup: Callable[[], None], function: Callable, items: Sequence, parent: int) -> None:
     global _JOB
+    _die_with_parent(parent)
     _JOB = (function, items)
     setup()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this worker when the exporting process dies (SIGKILL included), so that no worker is
+    left compiling, holding its copy of the model, for nobody."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: fork is not used there (compile_workers)
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def _run_job(index: int):

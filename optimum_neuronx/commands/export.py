@@ -17,6 +17,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     add_neuron_config_arguments(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     parser.add_argument("--revision", default=None, help="Hub revision of --model")
+    parser.add_argument("--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true",
+                        help="run code from outside: the model repo's own modeling code (Transformers' meaning) and "
+                             "the compiled graphs of the Hub compile cache (--cache_repo)")
     parser.add_argument("--cache_dir", type=Path, default=None,
                         help="compile cache (default: $OPTIMUM_NEURONX_CACHE or <HF_HOME>/optimum-neuronx/compile-cache)")
     parser.add_argument("--cache_repo", default=None,
@@ -87,6 +90,8 @@ def run_export(args: argparse.Namespace) -> int:
                                   f"to replace its content, or choose another directory")
         neuron_config = neuron_config_from_args(args)
         hf_kwargs = {"revision": args.revision} if args.revision else {}
+        if args.trust_remote_code:
+            hf_kwargs["trust_remote_code"] = True
         cache = None if args.no_cache else CompileCache(args.cache_dir, args.cache_repo)
         meta = export(args.model, args.output, neuron_config, hf_kwargs=hf_kwargs, cache=cache)
     except (ValueError, ArtifactError, FileExistsError, OSError, RuntimeError) as err:

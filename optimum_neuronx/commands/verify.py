@@ -13,6 +13,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact_dir", type=Path, help="directory written by `optimum-cli export neuron`")
     parser.add_argument("--max_new_tokens", type=int, default=None,
                         help="tokens to generate (default: up to sequence_length, at most 128)")
+    parser.add_argument("--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true",
+                        help="load the export's compiled graphs (native code) even if it was not exported on this "
+                             "machine; without it they are rebuilt here from its config and weights")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="largest accepted logit difference (default: 1e-3 in fp32; bf16/fp16 report only)")
 
@@ -22,10 +25,17 @@ def run_verify(args: argparse.Namespace) -> int:
     from ..runtime import NeuronModelForCausalLM
     from ..verification import compare_generation, reference_from_artifact, verification_prompts
 
+    from safetensors import SafetensorError
+
+    from ..artifacts import read_artifact
+
     try:
-        compiled = NeuronModelForCausalLM.from_pretrained(args.artifact_dir)
+        if Path(args.artifact_dir).is_dir():
+            read_artifact(args.artifact_dir, check_digests=True)  # every file against its sha256
+        compiled = NeuronModelForCausalLM.from_pretrained(args.artifact_dir,
+                                                          trust_remote_code=getattr(args, "trust_remote_code", False))
         reference = reference_from_artifact(args.artifact_dir)
-    except (ValueError, ArtifactError, OSError) as err:
+    except (ValueError, ArtifactError, OSError, SafetensorError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     nc = compiled.neuron_config

@@ -6,6 +6,7 @@ Weights live once in model.safetensors and are handed to every graph with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -201,13 +202,15 @@ class InductorBackend(Backend):
         return {graph.name: seconds for graph, (_, seconds) in zip(graphs, compiled)}
 
     def load(self, artifact_dir, graphs, weights) -> dict[str, CompiledGraph]:
+        check_package(Path(artifact_dir) / PACKAGE_NAME)
         loaded = {}
         for graph in graphs:
             # The C++ loader, not load_package(): that first loads every graph in the package to compare this CPU
             # with the compiling one, which imports Inductor and test-compiles a kernel per vector ISA (~3 s in a
             # fresh process, and an error with no C++ compiler installed). read_artifact checked the target.
-            runner = torch._C._aoti.AOTIModelPackageLoader(str(Path(artifact_dir) / PACKAGE_NAME), graph.name,
-                                                           False, 1, -1)
+            with _extraction_removed_on_failure(graph.name):
+                runner = torch._C._aoti.AOTIModelPackageLoader(str(Path(artifact_dir) / PACKAGE_NAME), graph.name,
+                                                               False, 1, -1)
             needed = runner.get_constant_fqns()
             missing = [name for name in needed if name not in weights]
             # Running a graph whose constants were never loaded segfaults: refuse before any call.
@@ -224,6 +227,42 @@ class InductorBackend(Backend):
             loaded[graph.name] = _fast_call(runner)
             weakref.finalize(loaded[graph.name], _release_aliases, list(aliases.values()))
         return loaded
+
+
+@contextlib.contextmanager
+def _extraction_removed_on_failure(graph_name: str):
+    """The loader extracts the package into an `aotinductor_*` folder of the temp directory and leaves it there when
+    it fails: remove the folders that appeared during the failed call and hold this graph."""
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob("aotinductor_*"))
+    try:
+        yield
+    except BaseException:
+        for folder in set(temp.glob("aotinductor_*")) - before:
+            if any(folder.rglob(f"{graph_name}*")):
+                shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def check_package(path: Path) -> None:
+    """Refuse a package whose entries would be extracted outside the loader's folder (an absolute path, a `..`
+    component, a backslash, a symlink) or that is not a zip archive at all."""
+    import stat
+    import zipfile
+    from pathlib import PurePosixPath
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ValueError(f"{path} is not a readable zip archive ({err}): re-export the model.") from None
+    for entry in entries:
+        name = entry.filename
+        if (name.startswith("/") or "\\" in name or ".." in PurePosixPath(name).parts
+                or stat.S_ISLNK(entry.external_attr >> 16)):
+            raise ValueError(f"{path}: archive entry {name!r} would be extracted outside the package's folder (an "
+                             f"absolute path, '..', or a symlink). Refusing to load it: this is not an export this "
+                             f"package wrote.")
 
 
 def _compile_graph(decoder, example_inputs, options: dict, build_dir: str, graph: GraphSpec) -> tuple[list, float]:

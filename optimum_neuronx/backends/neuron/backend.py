@@ -17,12 +17,13 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
 import torch
 
-from ...configuration import GraphSpec
+from ...configuration import INSTANCE_TYPES, GraphSpec
 from ...digests import file_sha256
 from ...modeling.decoder import StaticDecoder
 from ...modeling.sharding import KV_CACHE_AXIS, ShardLayout
@@ -218,10 +219,23 @@ def read_manifest(artifact_dir: Path) -> dict:
     return manifest
 
 
+# neuronx-cc target -> the NeuronCore generation its devices have (as the Neuron plugin names device kinds).
+CORE_GENERATION = {"inf2": "v2", "trn1": "v2", "trn2": "v3", "trn3": "v4"}
+
+
 def check_platform(manifest: dict, client, artifact_dir: Path) -> None:
-    """Refuse executables compiled for another platform or plugin version than this client's, naming both."""
+    """Refuse executables compiled for another platform or plugin version than this client's, and, on a Neuron
+    device, an export made for another generation of NeuronCores, naming both."""
     compiled = manifest["executables"]
     here = platform_version(client)
+    target = INSTANCE_TYPES[manifest["instance_type"]].target
+    kind = str(getattr(client.devices()[0], "device_kind", ""))
+    found = re.search(r"v(\d)\b", kind)
+    if client.platform == "neuron" and found and f"v{found.group(1)}" != CORE_GENERATION[target]:
+        raise ValueError(f"{artifact_dir} was compiled for {manifest['instance_type']} (NeuronCore-"
+                         f"{CORE_GENERATION[target]}), but this machine's Neuron devices are {kind!r}. Re-export the "
+                         f"model with instance_type set to this instance (e.g. instance_type="
+                         f"'{_family_of_generation(found.group(1))}').")
     if compiled["platform"] != client.platform or compiled["platform_version"] != here:
         neff = manifest.get("neff")
         also = f"; its NEFFs are for {neff['instance_type']}" if neff else ""
@@ -229,6 +243,10 @@ def check_platform(manifest: dict, client, artifact_dir: Path) -> None:
                          f"but this machine runs {here!r}. Serialized executables only load on the platform and "
                          f"plugin version that compiled them: re-export the model here (backend='neuron', "
                          f"instance_type matching this machine).")
+
+
+def _family_of_generation(generation: str) -> str:
+    return next((t for t, g in CORE_GENERATION.items() if g == f"v{generation}"), "?")
 
 
 class NeuronGraph:
