@@ -109,6 +109,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         kv = get_backend(neuron_config.backend).new_kv_cache(graphs, shape, neuron_config.torch_dtype)
         self._cache = StaticKVCache(spec, neuron_config.batch_size, neuron_config.sequence_length,
                                     neuron_config.torch_dtype, kv)
+        self._check_graph_inputs(tuple(kv.shape))
         self._handle: Optional[CacheHandle] = None
         self._step = DecodeStepInputs(neuron_config.batch_size)
         # One generate (or forward) at a time: calls share the KV cache, and an AOTInductor runner keeps the GIL
@@ -121,6 +122,27 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             generation_config.cache_implementation = None
             generation_config.use_cache = True
             self.generation_config = generation_config
+
+    def _check_graph_inputs(self, kv_shape: tuple) -> None:
+        """Refuse, at load, graphs compiled for other input shapes than this export's configs give (an export edited
+        after it was compiled): they would be handed tensors they read out of bounds."""
+        nc = self.neuron_config
+        dtype = str(nc.torch_dtype).removeprefix("torch.")
+        names = ("input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache")
+        for name, graph in self._graphs.items():
+            compiled = getattr(graph, "input_signature", None)
+            if compiled is None:
+                continue
+            kind, window = name.rsplit("_", 1)
+            tokens, window = (int(window) if kind == "context" else 1), int(window)
+            given = [[[nc.batch_size, tokens], "int64"], [[nc.batch_size, tokens], "int64"], [[1], "int64"],
+                     [[nc.batch_size, window], "bool"], [[nc.batch_size], "int64"], [list(kv_shape), dtype]]
+            for input_name, expected, actual in zip(names, compiled, given):
+                if [list(expected[0]), expected[1]] != actual:
+                    raise ArtifactError(
+                        f"graph {name} was compiled for {input_name} {tuple(expected[0])} {expected[1]}, but this "
+                        f"export's config.json and neuron_config.json give {tuple(actual[0])} {actual[1]}: the export "
+                        f"was edited after it was compiled. Re-export the model.")
 
     # GenerationMixin and pipeline read these; with no torch parameters the base properties fail.
     @property

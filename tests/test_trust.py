@@ -142,6 +142,70 @@ def test_edited_config_with_recomputed_hashes_gets_a_clear_error(foreign_copy):
         NeuronModelForCausalLM.from_pretrained(foreign_copy)
 
 
+def test_a_trusted_export_edited_after_compiling_gets_a_clear_error_not_a_crash(foreign_copy):
+    # Even with consent, graphs are never handed inputs of other shapes than they were compiled for.
+    config = json.loads((foreign_copy / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (foreign_copy / "config.json").write_text(json.dumps(config))
+    restamp(foreign_copy)
+    with pytest.raises(ArtifactError, match=r"graph context_16 was compiled for kv_cache \(2, 2, 3, 2, 64, 16\) "
+                                            r"float32, but this export's config.json and neuron_config.json give "
+                                            r"\(1, 2, 3, 2, 64, 16\) float32"):
+        NeuronModelForCausalLM.from_pretrained(foreign_copy, trust_remote_code=True)
+
+
+def test_trusted_weights_of_other_shapes_are_refused_at_load(foreign_copy):
+    from safetensors.torch import load_file
+
+    from optimum_neuronx.weights_io import save_weights
+
+    weights = {name: t.clone() for name, t in load_file(str(foreign_copy / "model.safetensors")).items()}
+    weights["norm.weight"] = torch.ones(32)
+    save_weights(weights, foreign_copy / "model.safetensors")
+    restamp(foreign_copy)
+    with pytest.raises(ValueError, match=r"model.safetensors holds norm.weight as \(32,\) torch.float32, but graph "
+                                         r"\w+ was compiled for \(64,\) float32"):
+        NeuronModelForCausalLM.from_pretrained(foreign_copy, trust_remote_code=True, huge_pages=False)
+
+
+def test_a_failed_load_leaves_no_extraction_folder(foreign_copy):
+    import tempfile
+
+    package = foreign_copy / "model.pt2"
+    with zipfile.ZipFile(package) as archive:
+        graph_so = next(name for name in archive.namelist() if name.endswith(".so"))
+    garbage = b"not a shared object, " * 64 + os.urandom(16)
+    rewrite_package(package, replace={graph_so: garbage})
+    restamp(foreign_copy)
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob("aotinductor_*"))
+    with pytest.raises(Exception):
+        NeuronModelForCausalLM.from_pretrained(foreign_copy, trust_remote_code=True)
+    left = [folder for folder in set(temp.glob("aotinductor_*")) - before
+            if any(f.is_file() and f.read_bytes() == garbage for f in folder.rglob("*.so"))]
+    assert not left
+
+
+CALL_WITH_A_WRONG_CACHE = """
+import sys, torch
+from optimum_neuronx import NeuronModelForCausalLM
+model = NeuronModelForCausalLM.from_pretrained(sys.argv[1])
+cache = torch.zeros(1, 2, 3, 2, 64, 16)  # one layer where the graph was compiled for two
+inputs = [torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+          torch.ones(3, 32, dtype=torch.bool), torch.zeros(3, dtype=torch.long), cache]
+try:
+    model._graphs["token_32"](inputs)
+except RuntimeError as err:
+    print("refused:", str(err).splitlines()[0])
+"""
+
+
+def test_graphs_check_their_inputs_at_every_call(saved_tiny_llama):
+    result = subprocess.run([sys.executable, "-c", CALL_WITH_A_WRONG_CACHE, str(saved_tiny_llama)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "refused:" in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
 @pytest.mark.parametrize("name", ["../outside", "/etc/passwd", "sub/dir"])
 def test_listed_file_names_must_be_plain_names_of_the_export(foreign_copy, name):
     meta = json.loads((foreign_copy / "neuron_config.json").read_text())

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -31,6 +32,11 @@ from .lowering import Lowering
 logger = logging.getLogger(__name__)
 
 PACKAGE_NAME = "model.pt2"
+# The package metadata entry holding each graph's input and weight shapes (graph_signature).
+SIGNATURE_KEY = "optimum_neuronx.signature"
+# Graphs check their inputs' shapes, strides and dtypes on every call (AOTInductor's generated checks, a few integer
+# comparisons): an input they were not compiled for raises instead of being read out of bounds.
+os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
 
 # x86 vector instruction sets named in an export's target -> the torch.cpu probe that says this CPU has them.
 X86_FEATURE_PROBES = {
@@ -212,6 +218,7 @@ class InductorBackend(Backend):
                 runner = torch._C._aoti.AOTIModelPackageLoader(str(Path(artifact_dir) / PACKAGE_NAME), graph.name,
                                                                False, 1, -1)
             needed = runner.get_constant_fqns()
+            signature = _signature(runner, graph.name)
             missing = [name for name in needed if name not in weights]
             # Running a graph whose constants were never loaded segfaults: refuse before any call.
             if missing:
@@ -222,9 +229,17 @@ class InductorBackend(Backend):
             # Each graph gets its own aliases of the weights (same storage, no copy). AOTInductor takes one more
             # reference to every user-managed constant and never drops it, which would keep all the weights
             # resident after the model is gone; emptying the aliases once the graph is collected releases them.
+            for name, (shape, dtype) in signature["constants"].items():
+                weight = weights.get(name)  # oneDNN-packed ones report their logical shape too
+                if weight is not None and (
+                        list(weight.shape) != shape or str(weight.dtype).removeprefix("torch.") != dtype):
+                    raise ValueError(f"model.safetensors holds {name} as {tuple(weight.shape)} {weight.dtype}, but graph "
+                                     f"{graph.name} was compiled for {tuple(shape)} {dtype}: the weights are from "
+                                     f"another export. Re-export the model.")
             aliases = {name: weights[name].detach() for name in needed}
             runner.load_constants(aliases, use_inactive=False, check_full_update=True, user_managed=True)
             loaded[graph.name] = _fast_call(runner)
+            loaded[graph.name].input_signature = signature["inputs"]
             weakref.finalize(loaded[graph.name], _release_aliases, list(aliases.values()))
         return loaded
 
@@ -279,12 +294,23 @@ def _compile_graph(decoder, example_inputs, options: dict, build_dir: str, graph
         # code, which does not encode tensor shapes, and keeps files that already exist there: an export with
         # another sequence_length would reuse stale kernels.
         "aot_inductor.output_path": str(Path(build_dir) / graph.name),
+        "aot_inductor.metadata": {SIGNATURE_KEY: json.dumps(graph_signature(decoder, args))},
     }
     with torch.no_grad(), decode_codegen(), objects_compiled_together():
         files = torch._inductor.aot_compile(program.module(), args, options=options)
     seconds = time.perf_counter() - start
     logger.info("Compiled graph %s (tokens=%d, window=%d) in %.1f s", graph.name, graph.tokens, graph.window, seconds)
     return files, seconds
+
+
+def graph_signature(decoder, args) -> dict:
+    """What a graph is compiled for: its inputs' and weights' shapes and dtypes (stored in the package, checked at
+    load: a graph is never handed tensors of other shapes)."""
+    def describe(tensor):
+        return [list(tensor.shape), str(tensor.dtype).removeprefix("torch.")]
+
+    return {"inputs": [describe(a) for a in args],
+            "constants": {name: describe(t) for name, t in decoder.state_dict().items()}}
 
 
 def _forked_worker_setup(threads: int) -> None:
@@ -304,6 +330,16 @@ def _release_aliases(aliases: list[torch.Tensor]) -> None:
     for alias in aliases:
         empty = torch.empty(0, dtype=alias.dtype)
         alias.data = empty.to_mkldnn() if alias.is_mkldnn else empty
+
+
+def _signature(runner, graph_name: str) -> dict:
+    try:
+        signature = json.loads(runner.get_metadata()[SIGNATURE_KEY])
+        signature["inputs"], signature["constants"]  # noqa: B018 (both present)
+        return signature
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"graph {graph_name} of model.pt2 does not say what it was compiled for (no readable "
+                         f"{SIGNATURE_KEY}): it is not an export of this package version. Re-export the model.") from None
 
 
 def _fast_call(loader) -> Callable[[list], torch.Tensor]:

@@ -258,6 +258,8 @@ class NeuronGraph:
         self._weights = device_weights
         self._inputs = [a.name for a in executable.graph.arguments]
         self._cache_output = executable.graph.outputs.index("kv_cache")
+        # The decoder's inputs as compiled (PJRT also refuses buffers of other shapes at every call).
+        self.input_signature = [[list(a.shape), a.dtype] for a in executable.graph.arguments if a.kind == "input"]
         self._logits_output = executable.graph.outputs.index("logits")
 
     def __call__(self, inputs: list) -> torch.Tensor:
