@@ -20,6 +20,12 @@ class StaticKVCache:
         self.kv = kv if kv is not None else torch.zeros(spec.kv_cache_shape(batch_size, sequence_length), dtype=dtype)
         self.key_valid = torch.zeros(batch_size, sequence_length, dtype=torch.bool)
 
+    def valid_window(self, width: int) -> torch.Tensor:
+        """`key_valid[:, :width]` as a fresh tensor with the strides a graph was compiled for (`contiguous()` keeps a
+        one-row slice's row stride of the whole cache, which the graphs' input checks refuse)."""
+        window = torch.empty(self.key_valid.shape[0], width, dtype=torch.bool)
+        return window.copy_(self.key_valid[:, :width])
+
     def reorder(self, rows: torch.Tensor) -> None:
         n = rows.numel()
         if isinstance(self.kv, torch.Tensor):

@@ -451,7 +451,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         positions[:b, :n] = (mask.long().cumsum(-1) - 1).clamp(min=0)
         last = torch.full((nc.batch_size,), n - 1, dtype=torch.long)
         logits = self._graphs[f"context_{bucket}"](
-            [ids, positions, torch.zeros(1, dtype=torch.long), cache.key_valid[:, :bucket].contiguous(), last, cache.kv]
+            [ids, positions, torch.zeros(1, dtype=torch.long), cache.valid_window(bucket), last, cache.kv]
         )
         self._handle = CacheHandle(cache, n)
         return logits[:b, None, :]
@@ -479,7 +479,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             step.positions[:b].sub_(1).clamp_(min=0)
             step.slot.fill_(slot)
             logits = self._graphs[f"token_{window}"](
-                [step.ids, step.positions, step.slot, cache.key_valid[:, :window].contiguous(), step.last, cache.kv]
+                [step.ids, step.positions, step.slot, cache.valid_window(window), step.last, cache.kv]
             )
             handle.length = slot + 1
             out.append(logits[:b, None])

@@ -132,6 +132,15 @@ def test_same_size_byte_flips_are_caught_where_the_source_is_new_and_by_verify(f
     assert "does not match its sha256" in capsys.readouterr().err
 
 
+def test_a_flipped_graph_file_is_caught_before_it_is_loaded(foreign_copy):
+    package = foreign_copy / "model.pt2"
+    data = bytearray(package.read_bytes())
+    data[len(data) // 3:len(data) // 3 + 64] = bytes(64)  # same size: only its digest can tell
+    package.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"model.pt2 does not match its sha256"):
+        NeuronModelForCausalLM.from_pretrained(foreign_copy, trust_remote_code=True)
+
+
 def test_edited_config_with_recomputed_hashes_gets_a_clear_error(foreign_copy):
     config = json.loads((foreign_copy / "config.json").read_text())
     config["num_hidden_layers"] = 1

@@ -243,7 +243,7 @@ def _token_call(model, window: int | None):
     step.slot.fill_(slot)
     step.positions.fill_(slot)
     cache.key_valid[:, : slot + 1] = True
-    args = [step.ids, step.positions, step.slot, cache.key_valid[:, :window].contiguous(), step.last, cache.kv]
+    args = [step.ids, step.positions, step.slot, cache.valid_window(window), step.last, cache.kv]
     return (lambda: graph(list(args))), f"token_{window}"  # the graph empties the list it is given
 
 
