@@ -283,7 +283,7 @@ import os, sys, time
 from optimum_neuronx.backends.workers import map_in_workers
 
 def work(item):
-    print(os.getpid(), flush=True)
+    os.write(1, f"{os.getpid()}\\n".encode())  # one write: the two workers' lines never interleave
     time.sleep(120)
 
 map_in_workers(work, [1, 2], 2, lambda: None, str, desc="x", unit="x")
@@ -292,7 +292,11 @@ map_in_workers(work, [1, 2], 2, lambda: None, str, desc="x", unit="x")
 
 def test_compile_workers_die_with_a_killed_exporter():
     process = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT], stdout=subprocess.PIPE, text=True)
-    workers = [int(process.stdout.readline()) for _ in range(2)]
+    workers = []
+    while len(workers) < 2:
+        line = process.stdout.readline()
+        assert line, "the exporter ended before both workers started"
+        workers += [int(line)] if line.strip().isdigit() else []
     process.kill()
     process.wait()
     for _ in range(100):
