@@ -7,6 +7,7 @@ from typing import Optional
 
 from .configuration import GIB, InstanceType, NeuronConfig
 from .modeling.decoder import DecoderSpec, StaticDecoder
+from .modeling.sharding import kv_heads_fit
 
 
 def parameter_count(spec: DecoderSpec) -> int:
@@ -33,8 +34,7 @@ class MemoryEstimate:
 
     def shardable(self, tp_degree: int) -> bool:
         """Whether the heads can be cut `tp_degree` ways (KV heads split, or repeated when fewer than the cores)."""
-        kv = self.num_kv_heads
-        return self.num_heads % tp_degree == 0 and (kv % tp_degree if tp_degree <= kv else tp_degree % kv) == 0
+        return self.num_heads % tp_degree == 0 and kv_heads_fit(self.num_kv_heads, tp_degree)
 
     def per_core_bytes(self, tp_degree: Optional[int] = None) -> float:
         tp = tp_degree or self.tp_degree

@@ -28,6 +28,7 @@ from .cache import CompileCache
 from .configuration import GraphSpec, NeuronConfig
 from .exporters.registry import get_export_config
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
+from .modeling.decoder import StaticDecoder
 from .weights_io import load_weights
 
 logger = logging.getLogger(__name__)
@@ -127,20 +128,17 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Refuse, at load, graphs compiled for other input shapes than this export's configs give (an export edited
         after it was compiled): they would be handed tensors they read out of bounds."""
         nc = self.neuron_config
-        dtype = str(nc.torch_dtype).removeprefix("torch.")
-        names = ("input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache")
-        for name, graph in self._graphs.items():
-            compiled = getattr(graph, "input_signature", None)
+        kv_cache = torch.empty(kv_shape, dtype=nc.torch_dtype, device="meta")
+        for spec in nc.graphs():
+            compiled = getattr(self._graphs[spec.name], "input_signature", None)
             if compiled is None:
                 continue
-            kind, window = name.rsplit("_", 1)
-            tokens, window = (int(window) if kind == "context" else 1), int(window)
-            given = [[[nc.batch_size, tokens], "int64"], [[nc.batch_size, tokens], "int64"], [[1], "int64"],
-                     [[nc.batch_size, window], "bool"], [[nc.batch_size], "int64"], [list(kv_shape), dtype]]
-            for input_name, expected, actual in zip(names, compiled, given):
+            given = [[list(t.shape), str(t.dtype).removeprefix("torch.")]
+                     for t in StaticDecoder.example_inputs(nc.batch_size, spec.tokens, spec.window, kv_cache)]
+            for input_name, expected, actual in zip(StaticDecoder.INPUT_NAMES, compiled, given):
                 if [list(expected[0]), expected[1]] != actual:
                     raise ArtifactError(
-                        f"graph {name} was compiled for {input_name} {tuple(expected[0])} {expected[1]}, but this "
+                        f"graph {spec.name} was compiled for {input_name} {tuple(expected[0])} {expected[1]}, but this "
                         f"export's config.json and neuron_config.json give {tuple(actual[0])} {actual[1]}: the export "
                         f"was edited after it was compiled. Re-export the model.")
 

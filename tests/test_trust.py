@@ -141,11 +141,16 @@ def test_a_flipped_graph_file_is_caught_before_it_is_loaded(foreign_copy):
         NeuronModelForCausalLM.from_pretrained(foreign_copy, trust_remote_code=True)
 
 
-def test_edited_config_with_recomputed_hashes_gets_a_clear_error(foreign_copy):
-    config = json.loads((foreign_copy / "config.json").read_text())
+def edit_to_one_layer(directory: Path) -> None:
+    """config.json edited to one layer (the weights hold two), every hash recomputed."""
+    config = json.loads((directory / "config.json").read_text())
     config["num_hidden_layers"] = 1
-    (foreign_copy / "config.json").write_text(json.dumps(config))
-    restamp(foreign_copy)
+    (directory / "config.json").write_text(json.dumps(config))
+    restamp(directory)
+
+
+def test_edited_config_with_recomputed_hashes_gets_a_clear_error(foreign_copy):
+    edit_to_one_layer(foreign_copy)
     with pytest.raises(ArtifactError, match=r"model.safetensors holds model.layers.1.\S+, which config.json's model "
                                             r"does not have"):
         NeuronModelForCausalLM.from_pretrained(foreign_copy)
@@ -153,10 +158,7 @@ def test_edited_config_with_recomputed_hashes_gets_a_clear_error(foreign_copy):
 
 def test_a_trusted_export_edited_after_compiling_gets_a_clear_error_not_a_crash(foreign_copy):
     # Even with consent, graphs are never handed inputs of other shapes than they were compiled for.
-    config = json.loads((foreign_copy / "config.json").read_text())
-    config["num_hidden_layers"] = 1
-    (foreign_copy / "config.json").write_text(json.dumps(config))
-    restamp(foreign_copy)
+    edit_to_one_layer(foreign_copy)
     with pytest.raises(ArtifactError, match=r"graph context_16 was compiled for kv_cache \(2, 2, 3, 2, 64, 16\) "
                                             r"float32, but this export's config.json and neuron_config.json give "
                                             r"\(1, 2, 3, 2, 64, 16\) float32"):

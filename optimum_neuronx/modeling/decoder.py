@@ -305,8 +305,12 @@ class StaticDecoder(nn.Module):
         tiled = self.tiled_weights()
         return {name: tile_weight(w, tiled[name]) if name in tiled else w for name, w in weights.items()}
 
-    def example_inputs(self, batch_size: int, tokens: int, window: int, kv_cache: torch.Tensor) -> tuple:
-        """Inputs of the graph for `tokens` new tokens per sequence over a `window` of the cache (forward's order)."""
+    # forward's inputs, in order: every graph takes them so.
+    INPUT_NAMES = ("input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache")
+
+    @staticmethod
+    def example_inputs(batch_size: int, tokens: int, window: int, kv_cache: torch.Tensor) -> tuple:
+        """Inputs of the graph for `tokens` new tokens per sequence over a `window` of the cache (INPUT_NAMES)."""
         return (
             torch.zeros(batch_size, tokens, dtype=torch.long),  # input_ids
             torch.zeros(batch_size, tokens, dtype=torch.long),  # position_ids

@@ -31,6 +31,11 @@ SHARDED_AXES = {
 KV_CACHE_AXIS = 3
 
 
+def kv_heads_fit(num_kv_heads: int, shards: int) -> bool:
+    """Whether KV heads can be split `shards` ways, or, when fewer than the shards, repeated evenly."""
+    return (num_kv_heads % shards if shards <= num_kv_heads else shards % num_kv_heads) == 0
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     shards: int
@@ -51,7 +56,7 @@ class ShardLayout:
         if spec.num_heads % shards:
             raise ValueError(fix("attention heads (num_attention_heads)", spec.num_heads))
         kv = spec.num_kv_heads
-        if (kv % shards if shards <= kv else shards % kv):
+        if not kv_heads_fit(kv, shards):
             raise ValueError(f"tp_degree (num_cores) {shards} and the {kv} KV heads (num_key_value_heads) do not "
                              f"divide each other, so KV heads can be neither split nor repeated evenly; use a "
                              f"divisor or a multiple of {kv}")

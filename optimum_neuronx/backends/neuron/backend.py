@@ -37,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "neuron_graphs.json"
 MANIFEST_FORMAT = 1
-# The decoder's inputs, in forward's order (StaticDecoder.example_inputs): what a runtime call passes.
-INPUT_NAMES = ("input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache")
 TOOLCHAIN = ("torch-mlir", "jax", "jaxlib")
 
 
@@ -263,7 +261,7 @@ class NeuronGraph:
         self._logits_output = executable.graph.outputs.index("logits")
 
     def __call__(self, inputs: list) -> torch.Tensor:
-        given = dict(zip(INPUT_NAMES, inputs))
+        given = dict(zip(StaticDecoder.INPUT_NAMES, inputs))
         cache = given["kv_cache"]
         given["kv_cache"] = cache.buffer
         outputs = self.executable([self._weights[name] if name in self._weights else given[name]
