@@ -6,12 +6,14 @@ later runs reload the compiled model without compiling.
 
 import argparse
 import logging
+import shutil
 import time
 from pathlib import Path
 
 from transformers import AutoTokenizer, TextStreamer
 
 from optimum_neuronx import NeuronModelForCausalLM
+from optimum_neuronx.artifacts import ArtifactError
 from optimum_neuronx.utils.smollm2 import convert_smollm2
 
 
@@ -27,14 +29,19 @@ def main():
 
     work = Path(args.work_dir)
     compiled_dir = work / f"compiled-s{args.sequence_length}-{args.auto_cast_type}"
+    model = None
     if (compiled_dir / "neuron_config.json").exists():
-        model = NeuronModelForCausalLM.from_pretrained(compiled_dir)
-    else:
+        try:
+            model = NeuronModelForCausalLM.from_pretrained(compiled_dir)
+        except ArtifactError as err:  # e.g. written by an older version of the package: export again
+            logging.warning("Re-exporting: %s", err)
+    if model is None:
         checkpoint = convert_smollm2(work / "checkpoint")
         model = NeuronModelForCausalLM.from_pretrained(
             checkpoint, export=True, batch_size=1, sequence_length=args.sequence_length,
             context_buckets=[args.sequence_length // 2], token_buckets=[args.sequence_length],
             auto_cast_type=args.auto_cast_type)
+        shutil.rmtree(compiled_dir, ignore_errors=True)
         model.save_pretrained(compiled_dir)
     tokenizer = AutoTokenizer.from_pretrained(compiled_dir)
 

@@ -4,7 +4,8 @@ written and copied whole or not at all. (The weights file itself: weights_io.py.
     config.json, generation_config.json, tokenizer files   (Transformers' own formats)
     neuron_config.json   NeuronConfig + graphs + versions + every file's size and sha256 + the export hash over all
                          of them (and config.json)
-    model.safetensors    the decoder weights, once, shared by every graph
+    neuronx_weights.safetensors   the decoder weights (converted: fused, cast), once, shared by every graph; not
+                         named model.safetensors, so Transformers never loads an export as a checkpoint
     <backend files>      the compiled graphs (inductor: model.pt2)
 """
 
@@ -29,7 +30,7 @@ from .version import ARTIFACT_FORMAT_VERSION, __version__
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_NAME = "neuronx_weights.safetensors"
 CONFIG_NAME = "config.json"
 # Fields of config.json that change with who saved it, not with what was compiled.
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
@@ -77,7 +78,7 @@ def _read_json(path: Path) -> dict:
 
 def write_neuron_config(
     directory: Path, neuron_config: NeuronConfig, graphs: list[GraphSpec], compiler: dict,
-    compile_times: dict[str, float], files: tuple[str, ...],
+    compile_times: dict[str, float], files: tuple[str, ...], source: dict | None = None,
 ) -> dict:
     """Stamp the export: call last, once config.json and every file in `files` are written."""
     import transformers
@@ -99,49 +100,43 @@ def write_neuron_config(
         "config_hash": config_hash(_read_json(directory / CONFIG_NAME), neuron_config, graph_list, file_list),
         "files": file_list,
         "compile_time_s": {name: round(t, 3) for name, t in compile_times.items()},
+        # The Hub checkpoint the weights come from (repo_id, revision, subfolder): base_model of the model card, and
+        # where an export pushed without its weights takes them from.
+        "source": source,
     }
     with open(directory / NEURON_CONFIG_NAME, "w") as f:
         json.dump(meta, f, indent=2)
     return meta
 
 
-def read_artifact(directory: str | Path, check_digests: bool = False) -> tuple[NeuronConfig, dict]:
+def read_artifact(directory: str | Path, check_digests: bool = False,
+                  optional: tuple[str, ...] = ()) -> tuple[NeuronConfig, dict]:
     """Validate an exported directory and return its NeuronConfig and metadata, or raise ArtifactError.
 
     Every listed file's size is checked; with `check_digests` (an export from a new source, `neuron verify`) its
-    sha256 too."""
+    sha256 too. Files in `optional` may be absent. Whether the compiled graphs can run here is another question:
+    `compiled_code_problem`."""
     directory = Path(directory)
     meta_path = directory / NEURON_CONFIG_NAME
     if not meta_path.is_file():
-        raise ArtifactError(
-            f"{directory} has no {NEURON_CONFIG_NAME}: it is not an exported model. To compile a Transformers "
-            f"checkpoint, call NeuronModelForCausalLM.from_pretrained(model_id, export=True, ...)."
-        )
+        raise ArtifactError(_not_an_export(directory))
     try:
         meta = _read_json(meta_path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{meta_path} is unreadable ({err}). Re-export the model.") from None
+    foreign = _foreign_export(directory, meta)
+    if foreign:
+        raise ArtifactError(foreign)
+    try:
         fmt = meta["artifact_format"]
         neuron_config = NeuronConfig.from_dict(meta["neuron_config"])
-        versions = meta["versions"]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise ArtifactError(f"{meta_path} is unreadable or incomplete ({err}). Re-export the model.") from None
+        meta["versions"]["compiler"]["target"]  # noqa: B018 (present)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ArtifactError(f"{meta_path} is unreadable or incomplete ({err!r}). Re-export the model.") from None
     redo = "Re-export the model with NeuronModelForCausalLM.from_pretrained(model_id, export=True, ...)."
     if fmt != ARTIFACT_FORMAT_VERSION:
         raise ArtifactError(f"{directory} uses artifact format {fmt}; this package reads format "
                             f"{ARTIFACT_FORMAT_VERSION}. {redo}")
-    if versions.get("optimum_neuronx") != __version__:
-        raise ArtifactError(f"{directory} was exported by optimum-neuronx {versions.get('optimum_neuronx')}; this is "
-                            f"{__version__}. {redo}")
-    if versions.get("torch") != torch.__version__:
-        raise ArtifactError(f"{directory} was compiled with torch {versions.get('torch')}, but torch "
-                            f"{torch.__version__} is installed; compiled graphs only run on the torch build that "
-                            f"compiled them. {redo}")
-    try:
-        missing = get_backend(neuron_config.backend).missing_target_support(versions["compiler"].get("target", ""))
-    except (KeyError, AttributeError) as err:
-        raise ArtifactError(f"{meta_path} is unreadable or incomplete ({err!r}). {redo}") from None
-    if missing:
-        raise ArtifactError(f"{directory} cannot run on this machine: {missing}. Export it on this machine "
-                            f"(or one like it). {redo}")
     files, graphs = meta.get("files"), meta.get("graphs")
     if not isinstance(files, dict) or not isinstance(graphs, list) or not all(
             isinstance(info, dict) and isinstance(info.get("size"), int) and isinstance(info.get("sha256"), str)
@@ -150,6 +145,12 @@ def read_artifact(directory: str | Path, check_digests: bool = False) -> tuple[N
     for name, info in files.items():
         path = check_file_name(directory, name)
         if not path.is_file():
+            if name in optional:
+                continue
+            if name == WEIGHTS_NAME and (meta.get("source") or {}).get("repo_id"):
+                raise ArtifactError(f"{directory} has no {name}: it was pushed without its weights, which come from "
+                                    f"{meta['source']['repo_id']}. Load it with NeuronModelForCausalLM.from_pretrained"
+                                    f"(repo_id), which fetches and checks them.")
             raise ArtifactError(f"{directory} is missing {name}. {redo}")
         size = path.stat().st_size
         if size != info["size"]:
@@ -168,6 +169,58 @@ def read_artifact(directory: str | Path, check_digests: bool = False) -> tuple[N
         raise ArtifactError(f"{directory}: config.json or {NEURON_CONFIG_NAME} no longer matches what was compiled "
                             f"(export hash {meta.get('config_hash')} != {expected}). {redo}")
     return neuron_config, meta
+
+
+def compiled_code_problem(directory: str | Path, meta: dict) -> str:
+    """Why the compiled graphs of a valid export cannot run here (other package or torch version, CPU lacking the
+    instructions they were compiled for), or "" when they can. The export itself stays usable: its config and
+    weights rebuild the graphs here."""
+    versions = meta["versions"]
+    if versions.get("optimum_neuronx") != __version__:
+        return f"it was exported by optimum-neuronx {versions.get('optimum_neuronx')}; this is {__version__}"
+    if versions.get("torch") != torch.__version__:
+        return (f"its graphs were compiled with torch {versions.get('torch')}, but torch {torch.__version__} is "
+                f"installed (compiled graphs only run on the torch build that compiled them)")
+    backend = NeuronConfig.from_dict(meta["neuron_config"]).backend
+    return get_backend(backend).missing_target_support(versions["compiler"].get("target", ""))
+
+
+def _not_an_export(directory: Path) -> str:
+    if (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file():
+        return (f"{directory} is a Transformers checkpoint, not an exported model. To compile it, call "
+                f"NeuronModelForCausalLM.from_pretrained({str(directory)!r}, export=True, ...).")
+    config = directory / CONFIG_NAME
+    if config.is_file():
+        try:
+            neuron = _read_json(config).get("neuron")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            neuron = None
+        if isinstance(neuron, dict):
+            return _optimum_neuron_message(directory, "transformers-neuronx", None)
+    return (f"{directory} has no {NEURON_CONFIG_NAME}: it is not an exported model. To compile a Transformers "
+            f"checkpoint, call NeuronModelForCausalLM.from_pretrained(model_id, export=True, ...).")
+
+
+def _foreign_export(directory: Path, meta: dict) -> str:
+    """The message for an optimum-neuron export (its neuron_config.json has other fields), or ""."""
+    if not isinstance(meta, dict):
+        return f"{directory / NEURON_CONFIG_NAME} is not a JSON object. Re-export the model."
+    if "artifact_format" in meta:
+        return ""
+    if "_serialized_key" in meta or "optimum_neuron_version" in meta or "checkpoint_id" in meta:
+        return _optimum_neuron_message(directory, "NxD", meta)
+    return ""
+
+
+def _optimum_neuron_message(directory: Path, flavour: str, meta: dict | None) -> str:
+    checkpoint = (meta or {}).get("checkpoint_id")
+    version = (meta or {}).get("optimum_neuron_version")
+    made = f"optimum-neuron {version}" if version else "optimum-neuron"
+    source = (f"from_pretrained({checkpoint!r}, export=True, ...)" if checkpoint
+              else "from_pretrained(<the checkpoint it was made from>, export=True, ...)")
+    return (f"{directory} is an export of {made} ({flavour} graphs for Neuron devices), which optimum-neuronx cannot "
+            f"load; it runs with optimum-neuron on an Inferentia / Trainium instance. To use the model with "
+            f"optimum-neuronx, export its Transformers checkpoint: NeuronModelForCausalLM.{source}")
 
 
 @contextlib.contextmanager
@@ -219,12 +272,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def copy_artifact_files(source: Path, destination: Path, exclude: tuple[str, ...] = ()) -> None:
-    """Copy (hard-link where possible) the regular files of an artifact directory."""
+def copy_artifact_files(source: Path, destination: Path, exclude: tuple[str, ...] = (),
+                        include: tuple[str, ...] | None = None) -> None:
+    """Copy (hard-link where possible) the regular files of an artifact directory (only `include`, if given)."""
     for entry in sorted(Path(source).iterdir()):
-        if entry.is_file() and not entry.name.startswith(".") and entry.name not in exclude:
+        if (entry.is_file() and not entry.name.startswith(".") and entry.name not in exclude
+                and (include is None or entry.name in include)):
             dest = destination / entry.name
+            real = entry.resolve()  # a Hub snapshot's files are relative links into its blobs folder
             try:
-                os.link(entry, dest)
+                os.link(real, dest)
             except OSError:
-                shutil.copy2(entry, dest)
+                shutil.copy2(real, dest)

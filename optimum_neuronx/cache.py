@@ -1,9 +1,10 @@
-"""Compile cache: finished exports stored under a key, so the same export never compiles twice.
+"""Compile cache: compiled graphs stored under a key, so the same graphs never compile twice.
 
-The key hashes everything that determines an artifact: the model config, the identity of the weights
-(sha256 of the converted decoder weights), the NeuronConfig (shapes, buckets, dtype, backend) and the
-package / torch / compiler versions. Entries are whole artifact directories plus `cache_entry.json`
-(the key's fields and the sha256 of every file, checked on use: a corrupted entry is evicted).
+The key hashes what the graphs depend on: the decoder the model config describes (model_type and the decoder's
+shape: layers, heads, sizes, RoPE...), the NeuronConfig (shapes, buckets, dtype, backend) and the package / torch /
+compiler versions - never the weight values, so a fine-tune of a cached model compiles nothing. Entries hold the
+graph files only (no weights) plus `cache_entry.json` (the key's fields, the compile times and the sha256 of every
+file, checked on use: a corrupted entry is evicted).
 """
 
 from __future__ import annotations
@@ -18,19 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-import torch
-
+from .artifacts import atomic_directory, check_file_name, copy_artifact_files
 from .digests import file_sha256
-from .trust import record_produced_here
-from .artifacts import VOLATILE_CONFIG_KEYS, ArtifactError, atomic_directory, copy_artifact_files, read_artifact
 
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "OPTIMUM_NEURONX_CACHE"
 CACHE_REPO_ENV = "OPTIMUM_NEURONX_CACHE_REPO"  # optional Hub model repo shared as a remote cache
 ENTRY_META = "cache_entry.json"
-# A live config (the key is computed before config.json is written) also carries load-time fields.
-_VOLATILE = (*VOLATILE_CONFIG_KEYS, "architectures", "dtype", "torch_dtype")
 
 
 def default_cache_dir() -> Path:
@@ -42,27 +38,18 @@ def default_cache_dir() -> Path:
     return Path(constants.HF_HOME) / "optimum-neuronx" / "compile-cache"
 
 
-def weights_digest(weights: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(weights):
-        tensor = weights[name].contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True)
 class CacheKey:
-    fields: dict  # {"model": ..., "weights": ..., "neuron_config": ..., "versions": ...}
+    fields: dict  # {"model": ..., "neuron_config": ..., "versions": ...}
 
     @property
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def cache_key(config_dict: dict, weights_sha: str, neuron_config_dict: dict, versions: dict) -> CacheKey:
-    model = {k: v for k, v in config_dict.items() if k not in _VOLATILE}
-    fields = {"model": model, "weights": weights_sha, "neuron_config": neuron_config_dict, "versions": versions}
+def cache_key(model: dict, neuron_config_dict: dict, versions: dict) -> CacheKey:
+    """`model`: the decoder the graphs compute (model_type + DecoderSpec fields), not the weights."""
+    fields = {"model": model, "neuron_config": neuron_config_dict, "versions": versions}
     # Normalised through JSON, the form entries are stored in (e.g. integer dict keys become strings).
     return CacheKey(json.loads(json.dumps(fields, sort_keys=True, default=str)))
 
@@ -120,14 +107,16 @@ class CompileCache:
 
     def _check(self, entry: Path) -> Optional[str]:
         try:
-            meta = json.loads((entry / ENTRY_META).read_text())
-            read_artifact(entry)
-        except (OSError, json.JSONDecodeError, ArtifactError) as err:
+            meta = read_entry_meta(entry)
+            names = list(meta["sha256"])
+            for name in names:
+                path = check_file_name(entry, name)
+                if not path.is_file() or file_sha256(path) != meta["sha256"][name]:
+                    return f"{name} does not match its sha256"
+        except (OSError, ValueError, KeyError, TypeError) as err:
             return str(err)
-        for name, sha in meta["sha256"].items():
-            if not (entry / name).is_file() or file_sha256(entry / name) != sha:
-                return f"{name} does not match its sha256"
-        return None
+        extra = sorted(p.name for p in entry.iterdir() if p.name != ENTRY_META and p.name not in names)
+        return f"it holds unlisted files {extra}" if extra else None
 
     def miss_reason(self, key: CacheKey) -> str:
         """Which fields differ from the nearest cached entry."""
@@ -141,15 +130,22 @@ class CompileCache:
         shown = "; ".join(nearest[:3]) + (f"; +{len(nearest) - 3} more" if len(nearest) > 3 else "")
         return f"nearest entry differs in {shown}"
 
-    def store(self, key: CacheKey, artifact_dir: Path) -> Path:
+    def store(self, key: CacheKey, artifact_dir: Path, graph_files: tuple[str, ...],
+              compile_times: dict[str, float]) -> Path:
+        """Keep the compiled graph files of the export in `artifact_dir` (never its weights) under `key`."""
         entry = self.entry_dir(key)
         with atomic_directory(entry) as staging:
-            copy_artifact_files(artifact_dir, staging)
-            sha = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
-            meta = {"fields": key.fields, "digest": key.digest, "created": time.time(), "sha256": sha}
+            copy_artifact_files(artifact_dir, staging, include=graph_files)
+            sha = {name: file_sha256(staging / name) for name in graph_files}
+            meta = {"fields": key.fields, "digest": key.digest, "created": time.time(), "sha256": sha,
+                    "compile_time_s": compile_times}
             (staging / ENTRY_META).write_text(json.dumps(meta, indent=1, default=str))
-        record_produced_here(entry, "cache")
         return entry
+
+    def matching_model(self, model: dict) -> list[tuple[Path, dict]]:
+        """Local entries compiled for the decoder `model` describes (any NeuronConfig, any version)."""
+        model = json.loads(json.dumps(model, sort_keys=True, default=str))  # in the form entries store it
+        return [(entry, meta) for entry, meta in self.entries() if meta["fields"].get("model") == model]
 
     def fetch(self, key: CacheKey) -> Optional[Path]:
         """Copy entry `key` from the Hub cache repo into the local cache; None if it is not there."""
@@ -182,7 +178,7 @@ class CompileCache:
 
         api = HfApi(token=self.token)
         try:
-            api.create_repo(self.hub_repo, exist_ok=True)
+            create_cache_repo(self.hub_repo, self.token)
             api.upload_folder(repo_id=self.hub_repo, folder_path=str(self.entry_dir(key)), path_in_repo=key.digest,
                               commit_message=f"Add compile cache entry {key.digest}")
         except Exception as err:  # the export itself succeeded; sharing it is best effort
@@ -190,11 +186,65 @@ class CompileCache:
             return
         logger.info("Pushed compile cache entry %s to the Hub repo %s", key.digest, self.hub_repo)
 
+    def hub_entries(self) -> list[str]:
+        """The digests of the entries in the Hub cache repo (empty when none is configured)."""
+        if not self.hub_repo:
+            return []
+        from huggingface_hub import HfApi
+
+        names = HfApi(token=self.token).list_repo_files(self.hub_repo)
+        return sorted({name.split("/", 1)[0] for name in names if name.endswith("/" + ENTRY_META)})
+
+    def hub_entry_metas(self) -> list[dict]:
+        """The `cache_entry.json` of every entry in the Hub cache repo (their key fields: no graph is downloaded)."""
+        import json as _json
+
+        from huggingface_hub import hf_hub_download
+
+        metas = []
+        for digest in self.hub_entries():
+            path = hf_hub_download(self.hub_repo, f"{digest}/{ENTRY_META}", token=self.token)
+            metas.append(_json.loads(Path(path).read_text()))
+        return metas
+
+    def synchronize(self) -> list[str]:
+        """Push every local entry the Hub cache repo lacks, in one commit; return their digests."""
+        if not self.hub_repo:
+            raise ValueError(f"No Hub cache repo to synchronize with: pass one (--cache_repo) or set {CACHE_REPO_ENV}.")
+        from huggingface_hub import CommitOperationAdd, HfApi
+
+        create_cache_repo(self.hub_repo, self.token)
+        remote = set(self.hub_entries())
+        missing = [(entry, meta) for entry, meta in self.entries() if meta["digest"] not in remote
+                   and self._check(entry) is None]
+        if missing:
+            operations = [CommitOperationAdd(f"{meta['digest']}/{p.name}", str(p))
+                          for entry, meta in missing for p in sorted(entry.iterdir()) if p.is_file()]
+            HfApi(token=self.token).create_commit(self.hub_repo, operations,
+                                                  commit_message=f"Add {len(missing)} compile cache entries")
+        return [meta["digest"] for _, meta in missing]
+
     def _mkdir(self) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         return self.root
 
     def clear(self) -> int:
+        """Remove every local entry; return how many there were."""
         count = sum(1 for _ in self.entries())
         shutil.rmtree(self.root / "entries", ignore_errors=True)
         return count
+
+
+def read_entry_meta(entry: Path) -> dict:
+    meta = json.loads((Path(entry) / ENTRY_META).read_text())
+    if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), dict):
+        raise ValueError(f"{entry / ENTRY_META} does not list its files")
+    return meta
+
+
+def create_cache_repo(repo_id: str, token: Optional[str] = None, private: bool = True) -> str:
+    """Create the Hub model repo that serves as a shared compile cache: private unless asked (its entries hold what
+    a model's config says about it); an existing repo is left as it is."""
+    from huggingface_hub import HfApi
+
+    return str(HfApi(token=token).create_repo(repo_id, private=private, exist_ok=True))

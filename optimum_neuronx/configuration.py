@@ -22,6 +22,9 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 # Smallest default bucket: below this, compiling one more graph costs more than the cache reads it saves.
 MIN_DEFAULT_BUCKET = 128
+# Default sequence_length: the model's context length, capped here (as optimum-neuron does): a longer KV cache costs
+# memory and compile time for lengths few requests reach.
+MAX_DEFAULT_SEQUENCE_LENGTH = 4096
 # The compiler backends (backends/); backends.get_backend(name) loads one.
 SUPPORTED_BACKENDS = ("inductor", "neuron")
 GIB = 1024**3
@@ -230,6 +233,38 @@ class NeuronConfig:
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def for_model(cls, config: Any, **options) -> "NeuronConfig":
+        """A NeuronConfig for the model `config` (a Transformers config) describes: `options` as given (None: unset),
+        sequence_length defaulting to the model's context length (capped at MAX_DEFAULT_SEQUENCE_LENGTH) and
+        auto_cast_type to the checkpoint's dtype, as optimum-neuron does."""
+        options = {k: v for k, v in options.items() if v is not None}
+        if "sequence_length" not in options:
+            length = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 1024
+            options["sequence_length"] = min(int(length), MAX_DEFAULT_SEQUENCE_LENGTH)
+        if "auto_cast_type" not in options:
+            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            options["auto_cast_type"] = DTYPE_ALIASES.get(str(dtype).removeprefix("torch.").lower(), "fp32")
+        if "backend" not in options and options.get("tp_degree", 1) > 1:
+            options["backend"] = "neuron"  # the backend that shards: what num_cores > 1 asks for
+        return cls(**options)
+
+    @classmethod
+    def from_pretrained(cls, model_id: str | Path, *, revision: Optional[str] = None, token: Optional[str] = None,
+                        cache_dir: Optional[str] = None, local_files_only: bool = False) -> "NeuronConfig":
+        """The NeuronConfig of an export (a directory or a Hub repo id), reading its neuron_config.json only."""
+        path = Path(model_id)
+        if not path.is_dir():
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(str(model_id), NEURON_CONFIG_NAME, revision=revision, token=token,
+                                        cache_dir=cache_dir, local_files_only=local_files_only)).parent
+        try:
+            return cls.from_json_file(path / NEURON_CONFIG_NAME)
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{model_id}: {NEURON_CONFIG_NAME} is missing or is not an optimum-neuronx export's "
+                             f"({err!r}).") from None
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "NeuronConfig":

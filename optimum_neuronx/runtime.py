@@ -21,11 +21,12 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .artifacts import ArtifactError, atomic_directory, copy_artifact_files, read_artifact
+from .artifacts import (WEIGHTS_NAME, ArtifactError, atomic_directory, compiled_code_problem, copy_artifact_files,
+                        export_identity, read_artifact)
 from .backends import get_backend
 from .buckets import context_bucket, token_bucket
 from .cache import CompileCache
-from .configuration import GraphSpec, NeuronConfig
+from .configuration import NEURON_CONFIG_NAME, GraphSpec, NeuronConfig, canonical_dtype
 from .exporters.registry import get_export_config
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
 from .modeling.decoder import StaticDecoder
@@ -39,7 +40,7 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 _NO_INPUTS_EMBEDS = ("inputs_embeds is not supported: the compiled graphs start from token ids (the embedding lookup "
                      "is compiled in). Pass input_ids.")
 
-_PUSH_KWARGS = ("token", "private", "commit_message", "revision", "create_pr")
+_PUSH_KWARGS = ("token", "private", "commit_message", "revision", "create_pr", "include_weights")
 
 
 def _warn_ignored(method: str, kwargs: dict) -> None:
@@ -76,6 +77,7 @@ NEURON_KWARGS = {
     "backend": "backend",
     "compiler_args": "compiler_args",
     "instance_type": "instance_type",
+    "tensor_parallel_size": "tp_degree",  # optimum-neuron's name
 }
 
 
@@ -175,31 +177,38 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         weights from host memory and the kernel has them. False maps the file instead: instant loads, and processes
         serving the same export share one copy in the page cache.
         """
-        for name in ("dtype", "torch_dtype"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"{name}={kwargs[name]}: the compiled dtype is chosen at export with auto_cast_type "
-                                 f"('fp32', 'bf16' or 'fp16'), and an export keeps it. Pass auto_cast_type instead.")
+        for name in ("dtype", "torch_dtype"):  # Transformers' / optimum-neuron's name for auto_cast_type
+            value = kwargs.pop(name, None)
+            if value is None or value == "auto":
+                continue
+            asked = canonical_dtype(value)
+            if kwargs.get("auto_cast_type") is not None and canonical_dtype(kwargs["auto_cast_type"]) != asked:
+                raise ValueError(f"{name}={value} and auto_cast_type={kwargs['auto_cast_type']!r} disagree: pass one.")
+            kwargs["auto_cast_type"] = asked
+        if kwargs.pop("task", "text-generation") != "text-generation":
+            raise ValueError("NeuronModelForCausalLM exports task 'text-generation' only (causal language models).")
         neuron_kwargs = {NEURON_KWARGS[k]: kwargs.pop(k) for k in list(kwargs) if k in NEURON_KWARGS}
         neuron_kwargs = {k: v for k, v in neuron_kwargs.items() if v is not None}
         if export:
             if neuron_config is not None and neuron_kwargs:
                 raise ValueError(f"Pass either neuron_config or {sorted(neuron_kwargs)}, not both.")
-            neuron_config = neuron_config or NeuronConfig(**neuron_kwargs)
-            from .exporters.export import export as run_export
-
-            tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
-            out_dir = Path(tmpdir.name) / "model"
-            cache = CompileCache(compile_cache_dir, compile_cache_repo, kwargs.get("token")) if compile_cache else None
-            run_export(str(model_id), out_dir, neuron_config, hf_kwargs=kwargs, cache=cache)
-            return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True, huge_pages=huge_pages)
+            if neuron_config is None:
+                neuron_config = cls.get_neuron_config(model_id, token=kwargs.get("token"),
+                                                      revision=kwargs.get("revision"), **_hub_kwargs(kwargs),
+                                                      **neuron_kwargs)
+            return cls.export(model_id, neuron_config=neuron_config, compile_cache=compile_cache,
+                              compile_cache_dir=compile_cache_dir, compile_cache_repo=compile_cache_repo,
+                              huge_pages=huge_pages, **kwargs)
         from .hub import DOWNLOAD_KWARGS
 
         trust_remote_code = bool(kwargs.pop("trust_remote_code", False))
         _warn_ignored("from_pretrained", {k: v for k, v in kwargs.items() if k not in DOWNLOAD_KWARGS})
         artifact_dir, downloaded = _resolve_artifact_dir(model_id, kwargs)
-        rebuild_cache = (CompileCache(compile_cache_dir, compile_cache_repo, kwargs.get("token")) if compile_cache
-                         else None)
-        model = cls._from_trusted_artifact(artifact_dir, downloaded, trust_remote_code, rebuild_cache, huge_pages)
+        cache = CompileCache(compile_cache_dir, compile_cache_repo, kwargs.get("token"))
+        if not (artifact_dir / WEIGHTS_NAME).exists() and _weights_source(artifact_dir):
+            artifact_dir, downloaded = _with_source_weights(artifact_dir, cache, kwargs), True
+        model = cls._from_trusted_artifact(artifact_dir, downloaded, trust_remote_code,
+                                           cache if compile_cache else None, huge_pages)
         requested = dict(neuron_kwargs, **(neuron_config.to_dict() if neuron_config else {}))
         compiled = model.neuron_config.to_dict()
         differing = {k: v for k, v in NeuronConfig(**{**compiled, **requested}).to_dict().items() if compiled[k] != v}
@@ -212,6 +221,50 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         return model
 
     @classmethod
+    def get_neuron_config(cls, model_name_or_path: str | Path, config=None, *, token: Optional[str] = None,
+                          revision: Optional[str] = None, batch_size: Optional[int] = None,
+                          sequence_length: Optional[int] = None, tensor_parallel_size: Optional[int] = None,
+                          auto_cast_type: Optional[str] = None, **options) -> NeuronConfig:
+        """The NeuronConfig an export of `model_name_or_path` gets (optimum-neuron 0.4's signature): what is given,
+        else batch_size 1, sequence_length from the model's config (capped at 4096), auto_cast_type from the
+        checkpoint's dtype, tensor_parallel_size 1. `options`: other NeuronConfig fields (context_buckets, backend,
+        instance_type, ...) and Transformers' loading keywords (subfolder, cache_dir, trust_remote_code)."""
+        fields = {f for f in NeuronConfig.__dataclass_fields__}
+        nc_options = {k: options.pop(k) for k in list(options) if k in fields}
+        if config is None:  # `options` left are Transformers' loading keywords, for the config only
+            config = AutoConfig.from_pretrained(model_name_or_path, token=token, revision=revision, **options)
+        tp = nc_options.pop("tp_degree", None) or tensor_parallel_size
+        return NeuronConfig.for_model(config, batch_size=batch_size, sequence_length=sequence_length, tp_degree=tp,
+                                      auto_cast_type=auto_cast_type, **nc_options)
+
+    @classmethod
+    def export(cls, model_id: str | Path, config=None, neuron_config: Optional[NeuronConfig] = None, *,
+               token: Optional[str] = None, revision: Optional[str] = None, load_weights: bool = True,
+               compile_cache: bool = True, compile_cache_dir: Optional[str | Path] = None,
+               compile_cache_repo: Optional[str] = None, huge_pages: Optional[bool] = None,
+               **kwargs) -> "NeuronModelForCausalLM":
+        """Compile `model_id` for `neuron_config` (optimum-neuron 0.4's `export(model_id, config, neuron_config)`;
+        `export(model_id, neuron_config)` works too) and load it. `config` is accepted for compatibility: the
+        checkpoint's own config is read again, so that the export and its cache key come from files.
+        `load_weights=False` is accepted and changes nothing: the graphs run with the weights they were exported
+        with, which are always written."""
+        if isinstance(config, NeuronConfig) and neuron_config is None:
+            config, neuron_config = None, config
+        if neuron_config is None:
+            neuron_config = cls.get_neuron_config(model_id, config, token=token, revision=revision,
+                                                  **_hub_kwargs(kwargs))
+        for name, value in (("token", token), ("revision", revision)):
+            if value is not None:
+                kwargs[name] = value
+        from .exporters.export import export as run_export
+
+        tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
+        out_dir = Path(tmpdir.name) / "model"
+        cache = CompileCache(compile_cache_dir, compile_cache_repo, token) if compile_cache else None
+        run_export(str(model_id), out_dir, neuron_config, hf_kwargs=kwargs, cache=cache)
+        return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True, huge_pages=huge_pages)
+
+    @classmethod
     def _from_trusted_artifact(cls, artifact_dir: Path, downloaded: bool, trust_remote_code: bool, cache,
                                huge_pages: Optional[bool]) -> "NeuronModelForCausalLM":
         """Load an export whose compiled graphs (native code) this machine produced, or the caller trusts; rebuild
@@ -220,18 +273,23 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         from .trust import provenance, record_produced_here
 
         origin = provenance(artifact_dir)
-        neuron_config, _ = read_artifact(artifact_dir, check_digests=downloaded or origin != "here")
-        if origin != "foreign":
+        neuron_config, meta = read_artifact(artifact_dir, check_digests=downloaded or origin != "here")
+        problem = compiled_code_problem(artifact_dir, meta)
+        if not problem and origin != "foreign":
             record_produced_here(artifact_dir, "copied")
             return cls._from_artifact(artifact_dir, huge_pages=huge_pages)
-        if trust_remote_code:
+        if not problem and trust_remote_code:
             record_produced_here(artifact_dir, "trusted by the user")
             return cls._from_artifact(artifact_dir, huge_pages=huge_pages)
         from .exporters.export import export as run_export
 
-        logger.info("%s was not exported on this machine: its compiled graphs are native code, which is loaded only "
-                    "with trust_remote_code=True. Rebuilding the graphs here from its config and weights (once: the "
-                    "compile cache keeps them).", artifact_dir)
+        if problem:
+            logger.info("The compiled graphs of %s cannot run here: %s. Rebuilding them here from its config and "
+                        "weights (once: the compile cache keeps them).", artifact_dir, problem)
+        else:
+            logger.info("%s was not exported on this machine: its compiled graphs are native code, which is loaded "
+                        "only with trust_remote_code=True. Rebuilding the graphs here from its config and weights "
+                        "(once: the compile cache keeps them).", artifact_dir)
         tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
         out_dir = Path(tmpdir.name) / "model"
         run_export(str(artifact_dir), out_dir, neuron_config, cache=cache, from_export=True)
@@ -242,6 +300,10 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                        huge_pages: Optional[bool] = None) -> "NeuronModelForCausalLM":
         start = time.perf_counter()
         neuron_config, meta = read_artifact(artifact_dir)
+        problem = compiled_code_problem(artifact_dir, meta)
+        if problem:
+            raise ArtifactError(f"{artifact_dir} cannot run here: {problem}. Load it with "
+                                f"NeuronModelForCausalLM.from_pretrained, which rebuilds its graphs here.")
         config = AutoConfig.from_pretrained(artifact_dir)
         backend = get_backend(neuron_config.backend)
         weights = load_weights(artifact_dir, meta, huge_pages=_use_huge_pages(huge_pages, backend))
@@ -274,13 +336,19 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                           **push_kwargs)
 
     def push_to_hub(self, repo_id: str, *, commit_message: Optional[str] = None, private: Optional[bool] = None,
-                    token: Optional[str] = None, revision: Optional[str] = None, create_pr: bool = False, **kwargs):
-        """Upload the exported directory (weights, graphs, configs, tokenizer) plus a model card, in one commit."""
+                    token: Optional[str] = None, revision: Optional[str] = None, create_pr: bool = False,
+                    include_weights: bool = True, **kwargs):
+        """Upload the exported directory (weights, graphs, configs, tokenizer) plus a model card, in one commit.
+
+        `include_weights=False` leaves the weights out: the export names its source checkpoint (Hub repo id and
+        commit), from which from_pretrained fetches and converts them, checking them against the recorded sha256 -
+        for gated or large models whose weights should not be copied. Exports of a local directory have no source
+        to name: they are pushed whole."""
         from .hub import push_artifact
 
         _warn_ignored("push_to_hub", kwargs)
         return push_artifact(self._artifact_dir, repo_id, token=token, private=private, revision=revision,
-                             commit_message=commit_message, create_pr=create_pr)
+                             commit_message=commit_message, create_pr=create_pr, include_weights=include_weights)
 
     # -- generation ---------------------------------------------------------------------------------
     def generate(self, inputs=None, generation_config=None, truncate_to_sequence_length: bool = False, **kwargs):
@@ -486,6 +554,39 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
 
 AutoConfig.register(NeuronCausalLMConfig.model_type, NeuronCausalLMConfig, exist_ok=True)
 AutoModelForCausalLM.register(NeuronCausalLMConfig, NeuronModelForCausalLM, exist_ok=True)
+
+
+def _hub_kwargs(kwargs: dict) -> dict:
+    """The Transformers loading keywords among from_pretrained's (for reading a checkpoint's config)."""
+    return {k: kwargs[k] for k in ("subfolder", "cache_dir", "trust_remote_code", "local_files_only",
+                                   "force_download") if k in kwargs}
+
+
+def _weights_source(artifact_dir: Path) -> Optional[str]:
+    """The Hub checkpoint an export's weights come from, as its neuron_config.json names it (None if none)."""
+    import json
+
+    try:
+        source = json.loads((artifact_dir / NEURON_CONFIG_NAME).read_text()).get("source") or {}
+        return source.get("repo_id") if isinstance(source.get("repo_id"), str) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _with_source_weights(artifact_dir: Path, cache: CompileCache, kwargs: dict) -> Path:
+    """An export pushed without its weights, completed with its source checkpoint's (converted here, checked against
+    the recorded digest) in a directory of the compile cache, reused on later loads."""
+    from .exporters.export import restore_source_weights
+
+    destination = cache.root / "with-source-weights" / export_identity(artifact_dir)[:32]
+    if (destination / WEIGHTS_NAME).is_file():
+        try:
+            read_artifact(destination, check_digests=True)
+            return destination
+        except ArtifactError:
+            pass
+    hf_kwargs = {k: kwargs[k] for k in ("token", "cache_dir", "local_files_only", "force_download") if k in kwargs}
+    return restore_source_weights(artifact_dir, destination, hf_kwargs)
 
 
 def _resolve_artifact_dir(model_id: str | Path, hub_kwargs: dict) -> tuple[Path, bool]:

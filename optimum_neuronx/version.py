@@ -1,4 +1,4 @@
 __version__ = "0.1.0"
 
 # Bumped whenever the layout of an exported directory changes; older artifacts are refused.
-ARTIFACT_FORMAT_VERSION = 3  # 2: layer weights stacked, one KV cache tensor; 3: every file's sha256
+ARTIFACT_FORMAT_VERSION = 4  # 2: layers stacked; 3: every file's sha256; 4: weights renamed, source recorded

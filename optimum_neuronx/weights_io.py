@@ -1,4 +1,4 @@
-"""model.safetensors: written with every tensor on a cache-line boundary, read back memory-mapped or into huge
+"""neuronx_weights.safetensors: written with every tensor on a cache-line boundary, read back memory-mapped or into huge
 pages (huge_pages.py), with the weights a backend packs reordered at load while the file is read ahead."""
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def _handler(state: HubState):
                 with state.lock:
                     if repo_id in state.repos:
                         return self._send(409, {"error": "You already created this model repo", "url": repo_id})
-                    state.repos[repo_id] = {"sha": "0" * 40, "files": {}}
+                    private = bool(spec.get("private")) or spec.get("visibility") == "private"  # old / new clients
+                    state.repos[repo_id] = {"sha": "0" * 40, "files": {}, "private": private}
                 return self._send(200, {"url": f"http://{self.headers['Host']}/{repo_id}"})
             m = re.fullmatch(rf"/api/models/{_REPO}(?:/revision/(?P<rev>[^/]+))?", path)
             if m and method == "GET":
@@ -64,7 +65,8 @@ def _handler(state: HubState):
                 if repo is None:
                     return self._send(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
                 siblings = [{"rfilename": name} for name in sorted(repo["files"])]
-                return self._send(200, {"id": m["repo"], "sha": repo["sha"], "siblings": siblings, "private": False})
+                return self._send(200, {"id": m["repo"], "sha": repo["sha"], "siblings": siblings,
+                                        "private": repo.get("private", False)})
             if method == "POST" and path == "/api/validate-yaml":  # model card metadata check
                 self._body()
                 return self._send(200, {"errors": [], "warnings": []})

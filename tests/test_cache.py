@@ -45,6 +45,32 @@ def test_second_export_is_a_cache_hit_and_compiles_nothing(filled_cache, tiny_ch
     assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False), tokens)
 
 
+def test_a_fine_tune_reuses_the_base_models_graphs(filled_cache, tiny_checkpoint, tmp_path, monkeypatch, caplog):
+    """Same config, other weights: a cache hit that compiles nothing and generates the fine-tune's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    cache_dir, base_tokens = filled_cache
+    tuned = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen2"))
+    with torch.no_grad():
+        for parameter in tuned.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    tuned.save_pretrained(tmp_path / "fine-tune")
+    expected = tuned.eval().generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=20,
+                                     do_sample=False)
+    assert not torch.equal(expected, base_tokens)  # other weights, other tokens: the test can fail
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled despite a cache hit")
+
+    monkeypatch.setattr(export_module.get_backend("inductor"), "compile", refuse)
+    with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
+        model = _export(tmp_path / "fine-tune", cache_dir)
+    assert "Compile cache hit" in caplog.text
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False), expected)
+    for entry, _ in CompileCache(cache_dir).entries():  # graphs only: no weights in the cache
+        assert not list(entry.glob("*.safetensors")) and (entry / "model.pt2").is_file()
+
+
 def test_miss_says_which_field_differs(filled_cache, tiny_checkpoint):
     cache_dir, _ = filled_cache
     prepared = export_module.prepare(str(tiny_checkpoint("qwen2")), NeuronConfig(**{**SMALL, "sequence_length": 48,
@@ -72,7 +98,7 @@ def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, tmp_path, ca
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
         again = _export(tiny_checkpoint("qwen2"), tmp_path, auto_cast_type="bf16")
     assert "is corrupted (model.pt2 does not match its sha256): evicted, recompiling" in caplog.text
-    assert "Compile cache miss" in caplog.text and "Stored in the compile cache" in caplog.text
+    assert "Compile cache miss" in caplog.text and "Stored the compiled graphs in the compile cache" in caplog.text
     expected = model.generate(PROMPT, max_new_tokens=10, do_sample=False)
     assert torch.equal(again.generate(PROMPT, max_new_tokens=10, do_sample=False), expected)
     sources = _cpp_sources(model.artifact_dir / "model.pt2")
@@ -113,14 +139,19 @@ def test_concurrent_exports_of_one_key_compile_once(tiny_checkpoint, tmp_path):
 
 def test_cache_cli_list_lookup_clear(filled_cache, tiny_checkpoint):
     cache_dir, _ = filled_cache
-    run = lambda *args: subprocess.run([OPTIMUM_CLI, "neuron", "cache", *args, "--cache_dir", str(cache_dir)],  # noqa
-                                       capture_output=True, text=True, timeout=300)
+    run = lambda *args: subprocess.run(  # noqa: E731
+        [OPTIMUM_CLI, "neuron", "cache", *args, "--compile_cache_dir", str(cache_dir)], capture_output=True, text=True,
+        timeout=300)
     listed = run("list")
-    assert listed.returncode == 0 and "qwen2  batch_size=1 sequence_length=32 fp32 inductor" in listed.stdout
-    options = ["--model", str(tiny_checkpoint("qwen2")), "--sequence_length", "32", "--context_buckets", "16",
-               "--token_buckets", "32"]
+    assert listed.returncode == 0 and "qwen2  batch_size=1 sequence_length=32 fp32 inductor tp=1" in listed.stdout
+    # lookup reads the config only: a directory holding nothing else answers the same
+    config_only = cache_dir.parent / "config-only"
+    config_only.mkdir(exist_ok=True)
+    (config_only / "config.json").write_bytes((tiny_checkpoint("qwen2") / "config.json").read_bytes())
+    options = [str(config_only), "--sequence_length", "32", "--context_buckets", "16", "--token_buckets", "32"]
     hit = run("lookup", *options)
-    assert hit.returncode == 0 and hit.stdout.startswith("cache hit ")
+    assert hit.returncode == 0, hit.stderr
+    assert "1 cached exports of this model" in hit.stdout and "cache hit " in hit.stdout
     miss = run("lookup", *options[:-1], "16,32")
     assert miss.returncode == 1 and "token_buckets: cached [32], requested [16, 32]" in miss.stdout
     assert run("clear").stdout.startswith("removed ")

@@ -87,10 +87,11 @@ def test_attention_mask_of_another_shape_is_refused(compiled_model):
                                        max_new_tokens=2)
 
 
-def test_dtype_keywords_point_to_auto_cast_type(tiny_checkpoint, saved_tiny_llama):
-    with pytest.raises(ValueError, match=r"torch_dtype=torch.bfloat16: .*auto_cast_type.*Pass auto_cast_type"):
-        NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, torch_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"dtype=torch.float16: .*Pass auto_cast_type"):
+def test_dtype_keywords_mean_auto_cast_type(tiny_checkpoint, saved_tiny_llama):
+    with pytest.raises(ValueError, match=r"torch_dtype=torch.bfloat16 and auto_cast_type='fp16' disagree"):
+        NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, torch_dtype=torch.bfloat16,
+                                               auto_cast_type="fp16")
+    with pytest.raises(ValueError, match=r"compiled with auto_cast_type='fp32' but \{'auto_cast_type': 'fp16'\}"):
         NeuronModelForCausalLM.from_pretrained(saved_tiny_llama, dtype=torch.float16)
 
 
@@ -109,7 +110,8 @@ def test_unknown_auto_cast_type(tiny_checkpoint):
 
 def test_tp_degree_needs_a_backend_that_shards(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"tp_degree \(num_cores\) = 2: the inductor backend does not shard.*num_cores=1"):
-        NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, num_cores=2, sequence_length=32)
+        NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, num_cores=2, sequence_length=32,
+                                               backend="inductor")
 
 
 def test_plain_checkpoint_without_export(tiny_checkpoint):
@@ -142,13 +144,14 @@ def _edit_json(path, edit):
     (lambda m: m["neuron_config"].update(batch_size=1), r"no longer matches what was compiled"),
     # An export made on a CPU with wider vector instructions would die with SIGILL here, not raise.
     (lambda m: m["versions"]["compiler"].update(target="cpu neon_sve9000"),
-     r"compiled for the vector instructions 'neon_sve9000', which this CPU lacks \(it supports: .*\)\. Export it "
-     r"on this machine"),
+     r"compiled for the vector instructions 'neon_sve9000', which this CPU lacks \(it supports: .*\)\. Load it "
+     r"with NeuronModelForCausalLM.from_pretrained, which rebuilds its graphs here"),
 ], ids=["torch", "package", "format", "neuron_config_edited", "cpu_target"])
 def test_stale_or_foreign_artifact_refused(damaged, edit, message):
+    # Loading the compiled graphs as they are (from_pretrained rebuilds those it cannot run: test_optimum_neuron_compat)
     _edit_json(damaged / "neuron_config.json", edit)
     with pytest.raises(ArtifactError, match=message):
-        NeuronModelForCausalLM.from_pretrained(damaged)
+        NeuronModelForCausalLM._from_artifact(damaged)
 
 
 def test_export_is_stamped_with_the_cpu_it_compiled_for(saved_tiny_llama):
@@ -168,8 +171,8 @@ def test_export_needing_an_instruction_set_this_cpu_lacks_refused(damaged, monke
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
     with pytest.raises(ArtifactError, match=r"compiled for the vector instructions 'avx512 avx512_vnni'; this CPU "
-                                            r"lacks avx512 \(it supports: .*\)\. Export it on this machine"):
-        NeuronModelForCausalLM.from_pretrained(damaged)
+                                            r"lacks avx512 \(it supports: .*\)\. Load it with"):
+        NeuronModelForCausalLM._from_artifact(damaged)
 
 
 def test_loading_needs_no_cpp_compiler(saved_tiny_llama, compiled_model, tmp_path):
@@ -194,14 +197,14 @@ def test_edited_model_config_refused(damaged):
         NeuronModelForCausalLM.from_pretrained(damaged)
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "model.pt2"])
+@pytest.mark.parametrize("name", ["neuronx_weights.safetensors", "model.pt2"])
 def test_missing_file_refused(damaged, name):
     (damaged / name).unlink()
     with pytest.raises(ArtifactError, match=rf"missing {name}\. Re-export"):
         NeuronModelForCausalLM.from_pretrained(damaged)
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "model.pt2"])
+@pytest.mark.parametrize("name", ["neuronx_weights.safetensors", "model.pt2"])
 def test_truncated_file_refused(damaged, name):
     path = damaged / name
     size = path.stat().st_size
@@ -228,7 +231,7 @@ def test_interrupted_save_leaves_previous_artifact_usable(compiled_model, saved_
     before = sorted(p.name for p in target.iterdir())
 
     def crash(source, destination):
-        (destination / "model.safetensors").write_bytes(b"partial")
+        (destination / "neuronx_weights.safetensors").write_bytes(b"partial")
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr("optimum_neuronx.runtime.copy_artifact_files", crash)

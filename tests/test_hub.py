@@ -53,12 +53,13 @@ def test_push_then_pull_into_fresh_cache_gives_identical_tokens(hub, saved_tiny_
     commits = [r for r in hub.state.requests if r.startswith("POST /api/models/me/tiny-llama/commit/")]
     assert len(commits) == 1
     files = hub.state.repos["me/tiny-llama"]["files"]
-    assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.pt2", "model.safetensors",
-                             "neuron_config.json"]
+    assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.pt2", "neuron_config.json",
+                             "neuronx_weights.safetensors"]
     card = files["README.md"].decode()
     for line in ("| batch_size | 3 |", "| sequence_length | 64 |", "| context buckets | [16] |",
                  "| token-generation buckets | [32, 64] |", "| dtype (auto_cast_type) | fp32 |",
-                 f"| torch | {torch.__version__} |", "library_name: optimum-neuronx"):
+                 f"| torch | {torch.__version__} |", "library_name: optimum-neuronx", "pipeline_tag: text-generation",
+                 'NeuronModelForCausalLM.from_pretrained("me/tiny-llama")'):
         assert line in card
 
     expected = compiled_model("llama").generate(**PROMPT, max_new_tokens=30, do_sample=False).tolist()
@@ -143,11 +144,8 @@ def test_hub_backed_compile_cache_shares_entries(hub, tiny_checkpoint, tmp_path)
     assert untrusted.stdout == first.stdout
 
 
-def test_a_poisoned_hub_cache_entry_is_not_used(hub, tiny_checkpoint, tmp_path):
-    # Whoever can write the cache repo swaps the weights of an entry and fixes the entry's own sha256 list: the
-    # weights no longer are the ones its key names, so the entry is evicted and the export compiles here.
-    import hashlib
-    import json
+def test_a_damaged_hub_cache_entry_is_not_used(hub, tiny_checkpoint, tmp_path):
+    # A graph file of the shared entry no longer matches the entry's sha256 list: evicted, and the export compiles here.
     import subprocess
     import sys
 
@@ -155,26 +153,96 @@ def test_a_poisoned_hub_cache_entry_is_not_used(hub, tiny_checkpoint, tmp_path):
         env = dict(hub_env(hub.url, tmp_path / f"home-{machine}"),
                    OPTIMUM_NEURONX_PROVENANCE=str(tmp_path / f"provenance-{machine}"))
         return subprocess.run([sys.executable, "-c", CACHED_EXPORT, str(tiny_checkpoint("qwen2")),
-                               str(tmp_path / machine), "me/poisoned-cache", mode, "trust"], capture_output=True,
+                               str(tmp_path / machine), "me/damaged-cache", mode, "trust"], capture_output=True,
                               text=True, timeout=600, env=env)
 
     first = cached_export("machine-a", "compile")
     assert first.returncode == 0, first.stderr[-3000:]
-    files = hub.state.repos["me/poisoned-cache"]["files"]
-    weights_name = next(name for name in files if name.endswith("/model.safetensors"))
-    weights = bytearray(files[weights_name])
-    weights[-64:] = bytes(b ^ 0x55 for b in weights[-64:])
-    files[weights_name] = bytes(weights)
-    meta_name = weights_name.replace("model.safetensors", "cache_entry.json")
-    meta = json.loads(files[meta_name])
-    meta["sha256"]["model.safetensors"] = hashlib.sha256(weights).hexdigest()
-    files[meta_name] = json.dumps(meta).encode()
+    files = hub.state.repos["me/damaged-cache"]["files"]
+    assert not any(name.endswith(".safetensors") for name in files)  # entries hold graphs, never weights
+    graph_name = next(name for name in files if name.endswith("/model.pt2"))
+    graph = bytearray(files[graph_name])
+    graph[len(graph) // 2] ^= 0x55
+    files[graph_name] = bytes(graph)
     second = cached_export("machine-b", "compile")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "holds other weights than its key names: evicted, compiling here" in second.stderr
+    assert "is corrupted (model.pt2 does not match its sha256): evicted" in second.stderr
     assert second.stdout == first.stdout
 
 
+EXPORT_AND_PUSH_WITHOUT_WEIGHTS = """
+import sys
+from optimum_neuronx import NeuronModelForCausalLM
+m = NeuronModelForCausalLM.from_pretrained(sys.argv[1], export=True, batch_size=1, sequence_length=32,
+                                           context_buckets=[16], token_buckets=[32])
+m.push_to_hub(sys.argv[2], include_weights=False)
+"""
+
+
+def test_an_export_pushed_without_weights_takes_them_from_its_source(hub, tiny_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_checkpoint("llama")
+    hub.state.repos["me/source"] = {"sha": "5" * 40, "files": {p.name: p.read_bytes() for p in source.iterdir()
+                                                                if p.is_file()}}
+    result = subprocess.run([sys.executable, "-c", EXPORT_AND_PUSH_WITHOUT_WEIGHTS, "me/source", "me/no-weights"],
+                            capture_output=True, text=True, timeout=600, env=hub_env(hub.url, tmp_path / "exporter"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = hub.state.repos["me/no-weights"]["files"]
+    assert "neuronx_weights.safetensors" not in files and "model.pt2" in files
+    card = files["README.md"].decode()
+    assert "base_model: me/source" in card and "The weights are not in this repo" in card
+
+    reference = AutoModelForCausalLM.from_pretrained(source).eval()
+    prompt = {"input_ids": torch.tensor([[5, 17, 42, 99]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    expected = reference.generate(**prompt, max_new_tokens=20, do_sample=False).tolist()
+    result, tokens = generate_in_fresh_process("me/no-weights", prompt, 20, env=hub_env(hub.url, tmp_path / "user"))
+    assert "was pushed without its weights: converting them from me/source@" + "5" * 40 in result.stderr
+    assert tokens == expected
+
+    # the source's weights change under the same name: refused, naming both digests
+    weights = bytearray(hub.state.repos["me/source"]["files"]["model.safetensors"])
+    weights[-64:] = bytes(b ^ 0x55 for b in weights[-64:])
+    hub.state.repos["me/source"]["files"]["model.safetensors"] = bytes(weights)
+    other_user = dict(hub_env(hub.url, tmp_path / "other-user"), OPTIMUM_NEURONX_CACHE=str(tmp_path / "other-cache"),
+                      OPTIMUM_NEURONX_PROVENANCE=str(tmp_path / "other-provenance"))
+    result, _ = generate_in_fresh_process("me/no-weights", prompt, 5, env=other_user, check=False)
+    assert result.returncode != 0
+    assert "converted here, have sha256" in result.stderr and "not the one the export was made from" in result.stderr
+
+
+def test_push_without_weights_of_a_local_export_is_refused(compiled_model):
+    with pytest.raises(ValueError, match=r"include_weights=False: .* exported from a local directory"):
+        compiled_model("llama").push_to_hub("me/anything", include_weights=False)
+
+
+def test_optimum_neuron_command_line_from_the_hub(hub, tiny_checkpoint, tmp_path):
+    """optimum-neuron's export command, flag for flag, with --cache_dir as the download cache."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    source = tiny_checkpoint("qwen3")
+    hub.state.repos["me/qwen3"] = {"sha": "7" * 40, "files": {p.name: p.read_bytes() for p in source.iterdir()
+                                                               if p.is_file()}}
+    cli = str(Path(sys.executable).parent / "optimum-cli")
+    downloads = tmp_path / "downloads"
+    result = subprocess.run(
+        [cli, "export", "neuron", "--model", "me/qwen3", "--task", "text-generation", "--batch_size", "1",
+         "--sequence_length", "64", "--num_cores", "2", "--auto_cast_type", "bf16", "--cache_dir", str(downloads),
+         "--compile_cache_dir", str(tmp_path / "compile-cache"), "-O1", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600, env=hub_env(hub.url, tmp_path / "home"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list(downloads.rglob("config.json")), "the checkpoint was not downloaded into --cache_dir"
+    from optimum_neuronx import NeuronConfig
+
+    nc = NeuronConfig.from_pretrained(tmp_path / "out")
+    assert (nc.tp_degree, nc.auto_cast_type, nc.backend, nc.compiler_args) == (2, "bf16", "neuron", ("-O1",))
+    meta = __import__("json").loads((tmp_path / "out" / "neuron_config.json").read_text())
+    assert meta["source"] == {"repo_id": "me/qwen3", "revision": "7" * 40, "subfolder": ""}
 def test_save_pretrained_with_push_to_hub(hub, saved_tiny_llama, tmp_path):
     """Transformers' save_pretrained(..., push_to_hub=True, repo_id=...): saved locally, then pushed in one commit."""
     import subprocess
@@ -186,7 +254,7 @@ def test_save_pretrained_with_push_to_hub(hub, saved_tiny_llama, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (target / "model.pt2").is_file()
     files = hub.state.repos["me/saved"]["files"]
-    assert files["model.safetensors"] == (target / "model.safetensors").read_bytes()
+    assert files["neuronx_weights.safetensors"] == (target / "neuronx_weights.safetensors").read_bytes()
     assert "README.md" in files and "model.pt2" in files
 
 
@@ -201,3 +269,57 @@ def test_save_pretrained_names_the_options_it_ignores(compiled_model, tmp_path, 
     with caplog.at_level(logging.WARNING, logger="optimum_neuronx"):
         NeuronModelForCausalLM.from_pretrained(tmp_path / "saved", device_map="auto", local_files_only=True)
     assert "from_pretrained: device_map ignored" in caplog.text
+
+
+def test_cache_create_synchronize_and_lookup_through_the_hub(hub, tiny_checkpoint, tmp_path):
+    """A private cache repo is created, local entries pushed once, and lookup reads the Hub's entries' keys."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cli = str(Path(sys.executable).parent / "optimum-cli")
+    env = hub_env(hub.url, tmp_path / "home")
+    cache = ["--compile_cache_dir", str(tmp_path / "local-cache")]
+    run = lambda *args: subprocess.run([cli, "neuron", "cache", *args], capture_output=True, text=True,  # noqa: E731
+                                       timeout=600, env=env)
+    created = run("create", "me/shared-cache")
+    assert created.returncode == 0, created.stderr[-2000:]
+    assert hub.state.repos["me/shared-cache"]["private"] is True and "private compile cache repo" in created.stdout
+
+    exported = subprocess.run([cli, "export", "neuron", "--model", str(tiny_checkpoint("mistral")), "--batch_size",
+                               "1", "--sequence_length", "32", "--context_buckets", "16", "--token_buckets", "32",
+                               *cache, str(tmp_path / "out")], capture_output=True, text=True, timeout=600, env=env)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    first = run("synchronize", *cache, "--cache_repo", "me/shared-cache")
+    assert first.returncode == 0 and "pushed 1 entries" in first.stdout, first.stderr[-2000:]
+    assert run("synchronize", *cache, "--cache_repo", "me/shared-cache").stdout.startswith("pushed 0 entries")
+    assert not any(name.endswith(".safetensors") for name in hub.state.repos["me/shared-cache"]["files"])
+
+    lookup = run("lookup", str(tiny_checkpoint("mistral")), "--sequence_length", "32", "--context_buckets", "16",
+                 "--token_buckets", "32", "--compile_cache_dir", str(tmp_path / "empty-cache"), "--cache_repo",
+                 "me/shared-cache")
+    assert lookup.returncode == 0, lookup.stdout + lookup.stderr[-2000:]
+    assert "0 cached exports of this model in" in lookup.stdout and "1 in the Hub repo me/shared-cache" in lookup.stdout
+    assert "hub  " in lookup.stdout and "cache hit" in lookup.stdout
+
+
+NEURON_CONFIG_FROM_HUB = """
+import sys
+from optimum_neuronx import NeuronConfig
+print(NeuronConfig.from_pretrained(sys.argv[1]).to_json_string())
+"""
+
+
+def test_neuron_config_from_a_hub_repo_reads_only_its_config(hub, saved_tiny_llama, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    assert push(saved_tiny_llama, "me/config-only", hub_env(hub.url, tmp_path / "push")).returncode == 0
+    before = len(hub.state.requests)
+    result = subprocess.run([sys.executable, "-c", NEURON_CONFIG_FROM_HUB, "me/config-only"], capture_output=True,
+                            text=True, timeout=300, env=hub_env(hub.url, tmp_path / "read"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["batch_size"] == 3
+    fetched = [r for r in hub.state.requests[before:] if "/resolve/" in r]
+    assert fetched and all(r.endswith("/neuron_config.json") for r in fetched), fetched

@@ -81,7 +81,7 @@ def test_too_few_huge_pages_keep_the_read_copy_and_say_so(saved_tiny_llama, monk
         weights = load_weights(saved_tiny_llama, meta, huge_pages=True)
     # asked for huge pages twice, the second time with the file's page cache given back; the file mapped now would
     # fault in from storage into small pages, so the copy stays
-    assert len(collapsed) == 2 and dropped == [str(saved_tiny_llama / "model.safetensors")]
+    assert len(collapsed) == 2 and dropped == [str(saved_tiny_llama / "neuronx_weights.safetensors")]
     assert "Only 50% of" in caplog.text and "4 KiB pages" in caplog.text
     assert min(w.data_ptr() for w in weights.values()) % HUGE_PAGE_BYTES == 0  # the read buffer, not the file
     mapped = load_weights(saved_tiny_llama, meta)

@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import subprocess
+import re
 import sys
 
 import pytest
@@ -324,12 +325,24 @@ def test_a_footprint_that_does_not_fit_names_needed_and_available_memory():
         check_fits_neuron_cores(estimate)
 
 
-def test_executables_of_another_platform_or_plugin_version_are_refused(neuron_model, tmp_path, monkeypatch):
+def test_executables_of_another_platform_version_are_rebuilt_from_the_stablehlo(neuron_model, tmp_path, monkeypatch,
+                                                                               caplog):
+    import logging
+
     neuron_model(1).save_pretrained(tmp_path / "saved")
-    monkeypatch.setattr(neuron, "platform_version", lambda client: "neuron 2.99.0")
-    with pytest.raises(ValueError, match=r"holds PJRT executables compiled for 'cpu .*', but this machine runs "
-                                         r"'neuron 2.99.0'.*re-export the model here"):
-        NeuronModelForCausalLM.from_pretrained(tmp_path / "saved")
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    expected = neuron_model(1).generate(prompt, max_new_tokens=8, do_sample=False)
+    monkeypatch.setattr(neuron, "platform_version", lambda client: "cpu 9.99")
+    monkeypatch.setattr(neuron.PjrtGraph, "deserialize", _refuse)  # the stale executables are never loaded
+    with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
+        model = NeuronModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert re.search(r"holds PJRT executables compiled for 'cpu .*', but this machine runs 'cpu 9.99': compiling its "
+                     r"StableHLO graphs", caplog.text)
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), expected)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a serialized executable of another platform version was loaded")
 
 
 class _FakeNeuronClient:
@@ -362,18 +375,15 @@ def test_the_neuron_plugin_is_preferred_where_it_is_installed(monkeypatch, caplo
     assert "XLA CPU device" not in caplog.text
 
 
-@pytest.mark.parametrize("device_kind, exported_for, message", [
-    ("NC_v2", "inf2.48xlarge", r"compiled for 'cpu .*', but this machine runs 'neuron 2.33.0'"),
-    ("NC_v3", "inf2.48xlarge", r"compiled for inf2.48xlarge \(NeuronCore-v2\), but this machine's Neuron devices "
-                               r"are 'NC_v3'.*instance_type='trn2'"),
-])
-def test_an_export_for_another_device_generation_or_platform_is_refused(device_kind, exported_for, message):
+def test_an_export_for_another_device_generation_is_refused():
     from pathlib import Path
 
-    manifest = {"instance_type": exported_for, "neff": None,
+    manifest = {"instance_type": "inf2.48xlarge", "neff": None,
                 "executables": {"platform": "cpu", "platform_version": "cpu 0.10.2"}}
-    with pytest.raises(ValueError, match=message):
-        neuron.check_platform(manifest, _FakeNeuronClient(device_kind), Path("export"))
+    assert not neuron.executables_match(manifest, _FakeNeuronClient("NC_v2"), Path("export"))
+    with pytest.raises(ValueError, match=r"compiled for inf2.48xlarge \(NeuronCore-v2\), but this machine's Neuron "
+                                         r"devices are 'NC_v3'.*instance_type='trn2'"):
+        neuron.executables_match(manifest, _FakeNeuronClient("NC_v3"), Path("export"))
 
 
 def test_a_corrupted_graph_file_is_refused(neuron_model, tmp_path):

@@ -43,7 +43,7 @@ def test_save_and_reload_in_fresh_process(smollm2_tokenizer, smollm2_compiled, t
     expected = smollm2_compiled.generate(**inputs, max_new_tokens=30, do_sample=False)
     target = tmp_path / "smollm2-compiled"
     smollm2_compiled.save_pretrained(target)
-    for name in ("config.json", "generation_config.json", "neuron_config.json", "model.safetensors", "model.pt2",
+    for name in ("config.json", "generation_config.json", "neuron_config.json", "neuronx_weights.safetensors", "model.pt2",
                  "tokenizer.json", "tokenizer_config.json"):
         assert (target / name).is_file(), name
     result, tokens = generate_in_fresh_process(target, inputs, max_new_tokens=30)

@@ -195,7 +195,7 @@ def test_export_stores_tiles_and_generates_as_transformers(tiled_llama, referenc
 
     stamp = json.loads((tiled_llama.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
     assert stamp["lowering"]["weight_tile"] == 32
-    with safe_open(str(tiled_llama.artifact_dir / "model.safetensors"), "pt") as weights:
+    with safe_open(str(tiled_llama.artifact_dir / "neuronx_weights.safetensors"), "pt") as weights:
         shapes = {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
     # 2 stacked layers of tiles; the LM head (untied) too; the embedding, norms and biases plain
     assert shapes["layers.qkv_proj.weight"] == (2, 128 // 32, 64, 32)
@@ -236,7 +236,7 @@ def test_bfloat16_tiles_export_within_bfloat16s_rounding(tiny_checkpoint, refere
     model = _tiled_export(tiny_checkpoint("llama"), torch.bfloat16, batch_size, tile=64)
     stamp = json.loads((model.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
     assert stamp["lowering"]["weight_tile"] == 64
-    with safe_open(str(model.artifact_dir / "model.safetensors"), "pt") as weights:
+    with safe_open(str(model.artifact_dir / "neuronx_weights.safetensors"), "pt") as weights:
         down = weights.get_slice("layers.down_proj.weight")
         assert tuple(down.get_shape()) == (2, 1, 1088, 64) and down.get_dtype() == "BF16"
     _assert_tiled_graphs(model)

@@ -118,13 +118,13 @@ def test_archive_entries_outside_the_package_folder_are_refused(foreign_copy, tm
 
 
 def test_same_size_byte_flips_are_caught_where_the_source_is_new_and_by_verify(foreign_copy, capsys):
-    weights = foreign_copy / "model.safetensors"
+    weights = foreign_copy / "neuronx_weights.safetensors"
     data = bytearray(weights.read_bytes())
     start = len(data) // 2
     data[start:start + 4096] = bytes(b ^ 0xFF for b in data[start:start + 4096])
     weights.write_bytes(bytes(data))
     # a copy of an export made here, at a path it was never loaded from: its files are checked before use
-    with pytest.raises(ArtifactError, match=r"model.safetensors does not match its sha256"):
+    with pytest.raises(ArtifactError, match=r"neuronx_weights.safetensors does not match its sha256"):
         NeuronModelForCausalLM.from_pretrained(foreign_copy)
     from optimum_neuronx.commands.verify import main
 
@@ -151,7 +151,7 @@ def edit_to_one_layer(directory: Path) -> None:
 
 def test_edited_config_with_recomputed_hashes_gets_a_clear_error(foreign_copy):
     edit_to_one_layer(foreign_copy)
-    with pytest.raises(ArtifactError, match=r"model.safetensors holds model.layers.1.\S+, which config.json's model "
+    with pytest.raises(ArtifactError, match=r"neuronx_weights.safetensors holds model.layers.1.\S+, which config.json's model "
                                             r"does not have"):
         NeuronModelForCausalLM.from_pretrained(foreign_copy)
 
@@ -170,11 +170,11 @@ def test_trusted_weights_of_other_shapes_are_refused_at_load(foreign_copy):
 
     from optimum_neuronx.weights_io import save_weights
 
-    weights = {name: t.clone() for name, t in load_file(str(foreign_copy / "model.safetensors")).items()}
+    weights = {name: t.clone() for name, t in load_file(str(foreign_copy / "neuronx_weights.safetensors")).items()}
     weights["norm.weight"] = torch.ones(32)
-    save_weights(weights, foreign_copy / "model.safetensors")
+    save_weights(weights, foreign_copy / "neuronx_weights.safetensors")
     restamp(foreign_copy)
-    with pytest.raises(ValueError, match=r"model.safetensors holds norm.weight as \(32,\) torch.float32, but graph "
+    with pytest.raises(ValueError, match=r"neuronx_weights.safetensors holds norm.weight as \(32,\) torch.float32, but graph "
                                          r"\w+ was compiled for \(64,\) float32"):
         NeuronModelForCausalLM.from_pretrained(foreign_copy, trust_remote_code=True, huge_pages=False)
 
@@ -227,11 +227,11 @@ def test_listed_file_names_must_be_plain_names_of_the_export(foreign_copy, name)
 
 
 def test_a_symlink_out_of_the_export_is_refused(foreign_copy):
-    weights = foreign_copy / "model.safetensors"
+    weights = foreign_copy / "neuronx_weights.safetensors"
     target = foreign_copy.parent / "elsewhere.safetensors"
     shutil.move(weights, target)
     weights.symlink_to(target)
-    with pytest.raises(ArtifactError, match=r"model.safetensors is a symbolic link out of the export directory"):
+    with pytest.raises(ArtifactError, match=r"neuronx_weights.safetensors is a symbolic link out of the export directory"):
         NeuronModelForCausalLM.from_pretrained(foreign_copy)
 
 
@@ -272,7 +272,7 @@ def test_a_killed_writer_leaves_no_staging_folder_after_a_rerun(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f".export.tmp-{dead.stdout.strip()}-abcd"
     stale.mkdir()
-    (stale / "model.safetensors").write_bytes(b"partial copy")
+    (stale / "neuronx_weights.safetensors").write_bytes(b"partial copy")
     live = tmp_path / f".export.tmp-{os.getpid()}-efgh"  # a write still in progress in a live process
     live.mkdir()
     with atomic_directory(tmp_path / "export") as staging:
@@ -346,7 +346,7 @@ def test_a_stale_cache_handle_an_all_zero_mask_and_an_empty_batch_are_refused(co
 
 
 def test_verify_reports_an_unreadable_weights_file(foreign_copy, capsys):
-    weights = foreign_copy / "model.safetensors"
+    weights = foreign_copy / "neuronx_weights.safetensors"
     data = bytearray(weights.read_bytes())
     data[0:8] = (10**12).to_bytes(8, "little")  # a header length past the file: SafetensorError in the library
     weights.write_bytes(bytes(data))

@@ -14,29 +14,52 @@ from ..version import __version__
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, help="Hub model id or local Transformers checkpoint directory")
     parser.add_argument("output", type=Path, help="directory to write the exported model to")
+    parser.add_argument("--task", default="text-generation",
+                        help="the task to export for: text-generation (causal LMs; 'auto' means it too)")
     add_neuron_config_arguments(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    parser.add_argument("--revision", default=None, help="Hub revision of --model")
+    add_checkpoint_arguments(parser)
+    add_compile_cache_arguments(parser)
+    parser.add_argument("--no_cache", "--disable_neuron_cache", dest="no_cache", action="store_true",
+                        help="compile even if the compile cache has the graphs (and store nothing)")
+    parser.add_argument("--disable-validation", "--disable_validation", dest="disable_validation", action="store_true",
+                        help="accepted for optimum-neuron scripts: exports are never validated here; run "
+                             "`optimum-cli neuron verify` for that")
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the checkpoint is found: Transformers' own loading options."""
+    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model")
+    parser.add_argument("--subfolder", default="", help="folder of the Hub repo or directory holding the checkpoint")
+    parser.add_argument("--cache_dir", type=Path, default=None,
+                        help="download cache for Hub checkpoints, as in Transformers (default: HF_HOME's hub cache)")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true",
                         help="run code from outside: the model repo's own modeling code (Transformers' meaning) and "
                              "the compiled graphs of the Hub compile cache (--cache_repo)")
-    parser.add_argument("--cache_dir", type=Path, default=None,
+
+
+def add_compile_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile_cache_dir", type=Path, default=None,
                         help="compile cache (default: $OPTIMUM_NEURONX_CACHE or <HF_HOME>/optimum-neuronx/compile-cache)")
     parser.add_argument("--cache_repo", default=None,
                         help="Hub model repo used as a shared compile cache (default: $OPTIMUM_NEURONX_CACHE_REPO)")
-    parser.add_argument("--no_cache", action="store_true", help="compile even if the compile cache has the export")
 
 
 def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch_size", type=int, default=1, help="compiled batch size (default: 1)")
-    parser.add_argument("--sequence_length", type=int, default=1024,
-                        help="KV-cache length: prompt + generated tokens (default: 1024)")
-    parser.add_argument("--num_cores", type=int, default=1, help="tensor-parallel degree (Neuron; default: 1)")
-    parser.add_argument("--auto_cast_type", default="fp32", help="fp32, bf16 or fp16 (default: fp32)")
-    parser.add_argument("--backend", default="inductor", choices=("inductor", "neuron"),
+    parser.add_argument("--batch_size", type=int, default=None, help="compiled batch size (default: 1)")
+    parser.add_argument("--sequence_length", type=int, default=None,
+                        help="KV-cache length: prompt + generated tokens (default: the model's max_position_embeddings, "
+                             "at most 4096)")
+    parser.add_argument("--num_cores", "--tensor_parallel_size", dest="num_cores", type=int, default=None,
+                        help="tensor-parallel degree (neuron backend; default: 1)")
+    parser.add_argument("--auto_cast_type", default=None,
+                        help="dtype of the weights and compute: fp32, bf16 or fp16 (default: the checkpoint's dtype)")
+    parser.add_argument("--torch_dtype", default=None,
+                        help="the same as --auto_cast_type, in torch's names: float32, bfloat16, float16")
+    parser.add_argument("--backend", default=None, choices=("inductor", "neuron"),
                         help="inductor: AOTInductor graphs for this CPU; neuron: StableHLO graphs run through PJRT, on a "
                              "Neuron device where the plugin is installed, else on the XLA CPU device "
-                             "(default: inductor)")
+                             "(default: inductor; neuron when --num_cores > 1)")
     parser.add_argument("--instance_type", default=None,
                         help="Neuron instance the neuron backend plans memory and compiles NEFFs for, e.g. inf2.48xlarge, "
                              "trn1, trn2 (default: inf2)")
@@ -49,16 +72,46 @@ def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compiler_args", action="append", default=[], metavar="ARG",
                         help="backend option, repeatable; inductor: NAME=VALUE, a torch._inductor.config option; "
                              "neuron: a neuronx-cc flag, e.g. --compiler_args=-O3")
+    level = parser.add_mutually_exclusive_group()
+    for n in (1, 2, 3):
+        level.add_argument(f"-O{n}", dest="optlevel", action="store_const", const=n,
+                           help=f"neuronx-cc optimization level {n} (neuron backend; default: 2)")
 
 
-def neuron_config_from_args(args: argparse.Namespace):
-    from ..configuration import NeuronConfig
+def hf_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """Transformers' loading keywords the checkpoint options ask for."""
+    kwargs = {"revision": args.revision, "subfolder": args.subfolder or None,
+              "cache_dir": str(args.cache_dir) if args.cache_dir else None,
+              "trust_remote_code": args.trust_remote_code or None}
+    return {k: v for k, v in kwargs.items() if v is not None}
 
-    return NeuronConfig(
-        batch_size=args.batch_size, sequence_length=args.sequence_length, tp_degree=args.num_cores,
-        auto_cast_type=args.auto_cast_type, backend=args.backend, context_buckets=args.context_buckets,
-        token_buckets=args.token_buckets, compiler_args=tuple(args.compiler_args),
-        instance_type=getattr(args, "instance_type", None))
+
+def neuron_config_from_args(args: argparse.Namespace, config=None):
+    """The NeuronConfig the options ask for; unset ones default from the model `config` (optimum-neuron's
+    defaults), else the NeuronConfig defaults."""
+    from ..configuration import NeuronConfig, canonical_dtype
+
+    compiler_args = list(args.compiler_args)
+    if getattr(args, "optlevel", None):
+        if (args.backend or ("neuron" if (args.num_cores or 1) > 1 else "inductor")) != "neuron":
+            raise ValueError(f"-O{args.optlevel} is a neuronx-cc optimization level: it applies to --backend neuron. "
+                             f"The inductor backend takes its options as --compiler_args NAME=VALUE.")
+        if any(arg.startswith("-O") for arg in compiler_args):
+            raise ValueError(f"-O{args.optlevel} and --compiler_args {compiler_args} both set the optimization level: "
+                             f"keep one.")
+        compiler_args.append(f"-O{args.optlevel}")
+    dtype = args.auto_cast_type
+    if getattr(args, "torch_dtype", None):
+        if dtype and canonical_dtype(dtype) != canonical_dtype(args.torch_dtype):
+            raise ValueError(f"--auto_cast_type {dtype} and --torch_dtype {args.torch_dtype} disagree: pass one.")
+        dtype = args.torch_dtype
+    options = dict(batch_size=args.batch_size, sequence_length=args.sequence_length, tp_degree=args.num_cores,
+                   auto_cast_type=dtype, backend=args.backend, context_buckets=args.context_buckets,
+                   token_buckets=args.token_buckets, compiler_args=tuple(compiler_args),
+                   instance_type=getattr(args, "instance_type", None))
+    if config is not None:
+        return NeuronConfig.for_model(config, **options)
+    return NeuronConfig(**{k: v for k, v in options.items() if v is not None})
 
 
 def show_progress() -> None:
@@ -79,20 +132,23 @@ def _int_list(text: str) -> list[int]:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
     from ..artifacts import ArtifactError
     from ..cache import CompileCache
     from ..exporters.export import export
 
     show_progress()
     try:
+        if args.task not in ("text-generation", "auto"):
+            raise ValueError(f"--task {args.task}: optimum-neuronx exports causal language models only, task "
+                             f"text-generation. Use optimum-neuron for other tasks.")
         if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
             raise FileExistsError(f"output directory {args.output} exists and is not empty; pass --overwrite "
                                   f"to replace its content, or choose another directory")
-        neuron_config = neuron_config_from_args(args)
-        hf_kwargs = {"revision": args.revision} if args.revision else {}
-        if args.trust_remote_code:
-            hf_kwargs["trust_remote_code"] = True
-        cache = None if args.no_cache else CompileCache(args.cache_dir, args.cache_repo)
+        hf_kwargs = hf_kwargs_from_args(args)
+        neuron_config = neuron_config_from_args(args, AutoConfig.from_pretrained(args.model, **hf_kwargs))
+        cache = None if args.no_cache else CompileCache(args.compile_cache_dir, args.cache_repo)
         meta = export(args.model, args.output, neuron_config, hf_kwargs=hf_kwargs, cache=cache)
     except (ValueError, ArtifactError, FileExistsError, OSError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -12,7 +12,8 @@ import sys
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 from optimum.commands.export.base import ExportCommand
 
-from .cache import add_cache_dir_argument, add_lookup_arguments, run_clear, run_list, run_lookup
+from .cache import (add_cache_arguments, add_create_arguments, add_lookup_arguments, run_clear, run_create, run_list,
+                    run_lookup, run_synchronize)
 from .estimate import add_estimate_arguments, run_estimate
 from .export import add_export_arguments, run_export, show_progress
 from .verify import add_verify_arguments, run_verify
@@ -67,12 +68,14 @@ def _leaf(name: str, help_text: str, add_arguments, run):
 
 
 class NeuronxCacheCommand(BaseOptimumCLICommand):
-    COMMAND = CommandInfo(name="cache", help="Inspect or empty the compile cache")
+    COMMAND = CommandInfo(name="cache", help="The compile cache: list, look up, clear, share on the Hub")
     SUBCOMMANDS = (
-        _leaf("list", "List cached exports", add_cache_dir_argument, run_list),
-        _leaf("lookup", "Is this export cached? (loads the weights, compiles nothing)", add_lookup_arguments,
-              run_lookup),
-        _leaf("clear", "Remove every cached export", add_cache_dir_argument, run_clear),
+        _leaf("list", "List the compiled graphs in the local cache", add_cache_arguments, run_list),
+        _leaf("lookup", "Cached exports of a model, from its config alone", add_lookup_arguments, run_lookup),
+        _leaf("clear", "Remove every local entry", add_cache_arguments, run_clear),
+        _leaf("create", "Create a private Hub repo to share the cache", add_create_arguments, run_create),
+        _leaf("synchronize", "Push the local entries the Hub cache repo lacks", add_cache_arguments,
+              run_synchronize),
     )
 
 

@@ -6,7 +6,7 @@ Every shard holds whole attention heads and whole MLP columns: the fused project
 is unchanged (query head h still reads the KV head of its group) and the cache grows by the repeat.
 
 The saved weights keep the plain layout of one device; `ShardLayout.arrange` turns them into the sharded layout at
-load, so one model.safetensors serves every tp degree.
+load, so one neuronx_weights.safetensors serves every tp degree.
 """
 
 from __future__ import annotations

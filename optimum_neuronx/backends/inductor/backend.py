@@ -1,6 +1,6 @@
 """torch.export + AOTInductor: every graph in one .pt2 package, weights kept out of it.
 
-Weights live once in model.safetensors and are handed to every graph with
+Weights live once in neuronx_weights.safetensors and are handed to every graph with
 `load_constants(..., user_managed=True)`, so N graphs share one copy.
 """
 
@@ -223,7 +223,7 @@ class InductorBackend(Backend):
             # Running a graph whose constants were never loaded segfaults: refuse before any call.
             if missing:
                 raise ValueError(
-                    f"model.safetensors lacks {len(missing)} weights that graph {graph.name} needs "
+                    f"neuronx_weights.safetensors lacks {len(missing)} weights that graph {graph.name} needs "
                     f"(e.g. {missing[:3]}); the artifact is incomplete or from another export. Re-export it."
                 )
             # Each graph gets its own aliases of the weights (same storage, no copy). AOTInductor takes one more
@@ -233,7 +233,7 @@ class InductorBackend(Backend):
                 weight = weights.get(name)  # oneDNN-packed ones report their logical shape too
                 if weight is not None and (
                         list(weight.shape) != shape or str(weight.dtype).removeprefix("torch.") != dtype):
-                    raise ValueError(f"model.safetensors holds {name} as {tuple(weight.shape)} {weight.dtype}, but graph "
+                    raise ValueError(f"neuronx_weights.safetensors holds {name} as {tuple(weight.shape)} {weight.dtype}, but graph "
                                      f"{graph.name} was compiled for {tuple(shape)} {dtype}: the weights are from "
                                      f"another export. Re-export the model.")
             aliases = {name: weights[name].detach() for name in needed}

@@ -6,7 +6,7 @@ Trn1), the PJRT executable compiled at export for the device found then (`<graph
 and, where neuronx-cc ran, a NEFF for the instance type (`<graph>.neff`). `neuron_graphs.json` is the manifest:
 argument order, shapes, dtypes, shardings, aliases, and every file's sha256.
 
-The weights are graph arguments fed from the one model.safetensors, put on the device(s) once at load and shared by
+The weights are graph arguments fed from the one neuronx_weights.safetensors, put on the device(s) once at load and shared by
 every graph; the KV cache lives on the device(s) and is donated to each call, which returns it written.
 """
 
@@ -138,7 +138,11 @@ class NeuronBackend(Backend):
         artifact_dir = Path(artifact_dir)
         manifest = read_manifest(artifact_dir)
         client = default_client()
-        check_platform(manifest, client, artifact_dir)
+        portable = not executables_match(manifest, client, artifact_dir)
+        if portable:
+            logger.info("%s holds PJRT executables compiled for %r, but this machine runs %r: compiling its StableHLO "
+                        "graphs for this platform.", artifact_dir, manifest["executables"]["platform_version"],
+                        platform_version(client))
         layout = ShardLayout(**manifest["layout"])
         arranged = layout.arrange(dict(weights))
         loaded, device_weights = {}, {}
@@ -149,16 +153,17 @@ class NeuronBackend(Backend):
                                  f"Re-export the model.")
             files = entry["files"]
             graph = StableHLOGraph.from_dict(entry, (artifact_dir / files["mlir"]).read_text())
-            executable = PjrtGraph.deserialize(graph, (artifact_dir / files["pjrt"]).read_bytes(), client)
+            executable = (PjrtGraph.compile(graph, client) if portable
+                          else PjrtGraph.deserialize(graph, (artifact_dir / files["pjrt"]).read_bytes(), client))
             for argument in graph.arguments:
                 if argument.kind != "weight" or argument.name in device_weights:
                     continue
                 if argument.name not in arranged:
-                    raise ValueError(f"model.safetensors lacks {argument.name}, which graph {graph.name} takes; the "
+                    raise ValueError(f"neuronx_weights.safetensors lacks {argument.name}, which graph {graph.name} takes; the "
                                      f"artifact is incomplete or from another export. Re-export it.")
                 tensor = arranged[argument.name]
                 if tuple(tensor.shape) != argument.shape or str(tensor.dtype).removeprefix("torch.") != argument.dtype:
-                    raise ValueError(f"model.safetensors holds {argument.name} as {tuple(tensor.shape)} "
+                    raise ValueError(f"neuronx_weights.safetensors holds {argument.name} as {tuple(tensor.shape)} "
                                      f"{tensor.dtype}; graph {graph.name} takes {argument.shape} {argument.dtype}. "
                                      f"The artifact is from another export: re-export it.")
                 device_weights[argument.name] = executable.placement.put(tensor, argument.sharded_axis)
@@ -221,11 +226,10 @@ def read_manifest(artifact_dir: Path) -> dict:
 CORE_GENERATION = {"inf2": "v2", "trn1": "v2", "trn2": "v3", "trn3": "v4"}
 
 
-def check_platform(manifest: dict, client, artifact_dir: Path) -> None:
-    """Refuse executables compiled for another platform or plugin version than this client's, and, on a Neuron
-    device, an export made for another generation of NeuronCores, naming both."""
-    compiled = manifest["executables"]
-    here = platform_version(client)
+def executables_match(manifest: dict, client, artifact_dir: Path) -> bool:
+    """Whether the serialized executables were compiled for this client's platform and plugin version (else the
+    portable StableHLO graphs are compiled at load). An export made for another generation of NeuronCores is refused
+    on a Neuron device, naming both: its NEFFs and memory plan are for other cores."""
     target = INSTANCE_TYPES[manifest["instance_type"]].target
     kind = str(getattr(client.devices()[0], "device_kind", ""))
     found = re.search(r"v(\d)\b", kind)
@@ -234,13 +238,8 @@ def check_platform(manifest: dict, client, artifact_dir: Path) -> None:
                          f"{CORE_GENERATION[target]}), but this machine's Neuron devices are {kind!r}. Re-export the "
                          f"model with instance_type set to this instance (e.g. instance_type="
                          f"'{_family_of_generation(found.group(1))}').")
-    if compiled["platform"] != client.platform or compiled["platform_version"] != here:
-        neff = manifest.get("neff")
-        also = f"; its NEFFs are for {neff['instance_type']}" if neff else ""
-        raise ValueError(f"{artifact_dir} holds PJRT executables compiled for {compiled['platform_version']!r}{also}, "
-                         f"but this machine runs {here!r}. Serialized executables only load on the platform and "
-                         f"plugin version that compiled them: re-export the model here (backend='neuron', "
-                         f"instance_type matching this machine).")
+    compiled = manifest["executables"]
+    return compiled["platform"] == client.platform and compiled["platform_version"] == platform_version(client)
 
 
 def _family_of_generation(generation: str) -> str:
