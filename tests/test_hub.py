@@ -129,6 +129,7 @@ def test_hub_backed_compile_cache_shares_entries(hub, tiny_checkpoint, tmp_path)
     first = cached_export("machine-a", "compile")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "Compile cache miss" in first.stderr and "Pushed compile cache entry" in first.stderr
+    assert hub.state.repos["me/compile-cache"]["private"] is True  # created private: it names the models it holds
     pushed = hub.state.repos["me/compile-cache"]["files"]
     assert any(name.endswith("/model.pt2") for name in pushed) and any(n.endswith("/cache_entry.json") for n in pushed)
 
