@@ -33,6 +33,10 @@ TINY_CONFIGS = {
     "mistral": dict(sliding_window=4096),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(head_dim=32),
+    # Every scalar away from 1 (the attention scale too: not head_dim ** -0.5), so that a missing one shows.
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.09, logits_scaling=2.5),
+    # The middle layer of three uses no position encoding (NoPE).
+    "smollm3": dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1], tie_word_embeddings=False),
 }
 ARCHITECTURES = tuple(TINY_CONFIGS)
 

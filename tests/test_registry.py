@@ -19,7 +19,7 @@ def _config(model_type, **overrides):
 
 
 def test_supported_model_types():
-    assert supported_model_types() == ("llama", "mistral", "qwen2", "qwen3")
+    assert supported_model_types() == ("granite", "llama", "mistral", "qwen2", "qwen3", "smollm3")
 
 
 def test_unknown_model_type_lists_supported():
@@ -32,6 +32,10 @@ def test_unknown_model_type_lists_supported():
     ("mistral", dict(qkv_bias=False, o_bias=False, qk_norm=False, tie_word_embeddings=False)),
     ("qwen2", dict(qkv_bias=True, o_bias=False, qk_norm=False, tie_word_embeddings=True)),
     ("qwen3", dict(qkv_bias=False, o_bias=False, qk_norm=True, tie_word_embeddings=False)),
+    ("granite", dict(qkv_bias=False, embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.09,
+                     logits_scaling=2.5, nope_layers=())),
+    ("smollm3", dict(qkv_bias=False, tie_word_embeddings=False, nope_layers=(1,), attention_multiplier=None,
+                     embedding_multiplier=1.0)),
 ])
 def test_flags_and_weight_mapping_cover_every_parameter(model_type, flags):
     from transformers import AutoModelForCausalLM
@@ -65,6 +69,7 @@ def test_flags_and_weight_mapping_cover_every_parameter(model_type, flags):
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0),
      r"qwen2: config.sliding_window = 16 is shorter than sequence_length = 64"),
     ("llama", dict(hidden_act="swish_glu"), r"config.hidden_act = 'swish_glu' is not supported"),
+    ("smollm3", dict(no_rope_layers=[1, 2, 1]), r"smollm3: config.no_rope_layers must hold one 0 or 1 per layer \(3\)"),
 ])
 def test_unsupported_config_features_are_refused(model_type, overrides, message):
     with pytest.raises(ValueError, match=message):

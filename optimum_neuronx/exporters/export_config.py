@@ -58,6 +58,11 @@ class ExportConfig:
     mlp_bias: Flag = False
     qk_norm: bool = False
     weight_map: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_FAMILY_WEIGHTS)
+    # DecoderSpec scalar -> the config field it is read from (granite's multipliers); fields the family lacks
+    # keep the decoder's neutral value.
+    scalars: Mapping[str, str] = field(default_factory=dict)
+    # The config field listing, per layer, 1 where it applies RoPE and 0 where it uses no position encoding.
+    rope_layers: str | None = None
 
     # -- validation -------------------------------------------------------------------------------
     def check_supported(self, config, neuron_config: NeuronConfig) -> None:
@@ -74,7 +79,8 @@ class ExportConfig:
             raise ValueError(f"{self.model_type}: partial_rotary_factor = {partial} is not supported (only 1.0).")
         window = getattr(config, "sliding_window", None)
         layer_types = getattr(config, "layer_types", None)
-        sliding_used = window is not None and (layer_types is None or "sliding_attention" in layer_types)
+        sliding_used = (window is not None and getattr(config, "use_sliding_window", True) is not False
+                        and (layer_types is None or "sliding_attention" in layer_types))
         if sliding_used and window < neuron_config.sequence_length:
             raise ValueError(
                 f"{self.model_type}: config.sliding_window = {window} is shorter than sequence_length = "
@@ -109,7 +115,18 @@ class ExportConfig:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             rope_inv_freq=tuple(float(x) for x in inv_freq),
             rope_attention_scaling=float(attention_scaling),
+            **{name: float(getattr(config, source)) for name, source in self.scalars.items()},
+            nope_layers=self._nope_layers(config),
         )
+
+    def _nope_layers(self, config) -> tuple[int, ...]:
+        if self.rope_layers is None:
+            return ()
+        flags = list(getattr(config, self.rope_layers))
+        if len(flags) != config.num_hidden_layers or any(f not in (0, 1, True, False) for f in flags):
+            raise ValueError(f"{self.model_type}: config.{self.rope_layers} must hold one 0 or 1 per layer "
+                             f"({config.num_hidden_layers}), got {flags}.")
+        return tuple(i for i, rotates in enumerate(flags) if not rotates)
 
     # -- weights ----------------------------------------------------------------------------------
     def convert_weights(self, hf_state: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype,

@@ -7,10 +7,12 @@ import importlib
 from .export_config import ExportConfig
 
 _EXPORT_CONFIG_MODULES = {
+    "granite": "granite",
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "smollm3": "smollm3",
 }
 
 

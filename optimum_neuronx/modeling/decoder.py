@@ -56,6 +56,14 @@ class DecoderSpec:
     tie_word_embeddings: bool
     rope_inv_freq: tuple[float, ...]
     rope_attention_scaling: float
+    # Scalar multipliers (granite): the embeddings, each residual branch and the attention scores are multiplied,
+    # the logits divided; None: the attention scale is head_dim ** -0.5.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    # Layers that use no position encoding (smollm3's NoPE layers): their queries and keys are not rotated.
+    nope_layers: tuple[int, ...] = ()
 
     def kv_cache_shape(self, batch_size: int, sequence_length: int) -> tuple[int, ...]:
         """Shape of the KV cache, every layer's in one tensor."""
@@ -192,6 +200,10 @@ class Weights(nn.Module):
         self.bias = nn.Parameter(torch.zeros(*lead, shape[0])) if bias else None
 
 
+def _residual(x: torch.Tensor, multiplier: float) -> torch.Tensor:
+    return x if multiplier == 1.0 else x * multiplier
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -254,14 +266,14 @@ class DecoderLayer(nn.Module):
         # GQA without repeating K/V: fold the query heads of one KV group into the query axis, token-major.
         q = q.view(B, T, s.num_kv_heads, n_rep, s.head_dim).transpose(1, 2).reshape(B, s.num_kv_heads, T * n_rep,
                                                                                      s.head_dim)
-        scale = s.head_dim**-0.5
+        scale = s.head_dim**-0.5 if s.attention_multiplier is None else s.attention_multiplier
         if new_mask is None:
             attn = attention(kernels, q, new_kv[0], new_kv[1], masks, scale, T)
         else:
             window = kv_cache[:, :, :, :masks[0].shape[-1]]
             attn = kernels.window_attention(q, window, new_kv, masks[0], new_mask, scale, T)
         attn = attn.view(B, s.num_kv_heads, T, n_rep, s.head_dim).transpose(1, 2)
-        h = h + proj(attn.reshape(B, T, s.num_heads * s.head_dim), "o_proj")
+        h = h + _residual(proj(attn.reshape(B, T, s.num_heads * s.head_dim), "o_proj"), s.residual_multiplier)
 
         gate_up = proj(rms_norm(h, w["post_attention_norm.weight"], s.rms_norm_eps), "gate_up_proj")
         if shards == 1:
@@ -269,7 +281,7 @@ class DecoderLayer(nn.Module):
         else:
             gate_up = gate_up.view(B, T, shards, 2, -1)
             gate, up = (gate_up[:, :, :, i].reshape(B, T, s.intermediate_size) for i in range(2))
-        return h + proj(_ACTIVATIONS[s.hidden_act](gate) * up, "down_proj"), new_kv
+        return h + _residual(proj(_ACTIVATIONS[s.hidden_act](gate) * up, "down_proj"), s.residual_multiplier), new_kv
 
 
 class StaticDecoder(nn.Module):
@@ -289,6 +301,9 @@ class StaticDecoder(nn.Module):
             self.lm_head = Weights((spec.vocab_size, spec.hidden_size), tile=kernels.weight_tile_for(spec.vocab_size))
         # Explicit device: the decoder is built on the meta device at export and only this buffer is real.
         self.register_buffer("rope_inv_freq", torch.tensor(spec.rope_inv_freq, dtype=torch.float32, device="cpu"))
+        if spec.nope_layers:  # 1 where a layer rotates its queries and keys, 0 where it uses no position encoding
+            rotates = [0.0 if i in spec.nope_layers else 1.0 for i in range(spec.num_layers)]
+            self.register_buffer("rope_layers", torch.tensor(rotates, dtype=torch.float32, device="cpu"))
         self.requires_grad_(False)
 
     def parameter_names(self) -> list[str]:
@@ -324,7 +339,7 @@ class StaticDecoder(nn.Module):
         B, T = input_ids.shape
         W = key_valid.shape[1]
         dtype = self.embed_tokens.weight.dtype
-        h = self.embed_tokens(input_ids)
+        h = _residual(self.embed_tokens(input_ids), self.spec.embedding_multiplier)
 
         freqs = position_ids[..., None].float() * self.rope_inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -346,28 +361,40 @@ class StaticDecoder(nn.Module):
             fresh = key_valid.index_select(1, slots)[:, None, None, :] & causal  # [B, 1, T, T]
             new_mask = attention_masks(_additive(fresh, dtype), n_rep)[0]
 
+        L, per_layer = self.spec.num_layers, bool(self.spec.nope_layers)
+        if per_layer:  # cos / sin per layer [L, B, T, 1, D]: NoPE layers get the identity rotation (cos 1, sin 0)
+            rotates = self.rope_layers.to(dtype).view(L, 1, 1, 1, 1)
+            cos, sin = cos * rotates + (1 - rotates), sin * rotates
+
         stacked = isinstance(self.layers, DecoderLayer)
         if stacked and self.kernels.scan_layers:
             # One loop over the stacked layers: the compiler traces, lowers and compiles one layer, not num_layers.
             layer = self.layers
+            if per_layer:
+                def body(h, xs):
+                    weights, layer_cache, layer_cos, layer_sin = xs
+                    return layer.step(weights, h, layer_cos, layer_sin, masks, new_mask, layer_cache)
 
-            def body(h, xs):
-                weights, layer_cache = xs
-                return layer.step(weights, h, cos, sin, masks, new_mask, layer_cache)
+                h, new_kv = scan(body, h, (layer.weights(), kv_cache, cos, sin))
+            else:  # every layer rotates alike: one cos / sin the loop body reads
+                def body(h, xs):
+                    weights, layer_cache = xs
+                    return layer.step(weights, h, cos, sin, masks, new_mask, layer_cache)
 
-            h, new_kv = scan(body, h, (layer.weights(), kv_cache))
+                h, new_kv = scan(body, h, (layer.weights(), kv_cache))
         else:  # unrolled: one module per layer, or the stacked weights' slices (Kernels.scan_layers False)
             weights = self.layers.weights() if stacked else None
             new_kv = []
-            for i in range(self.spec.num_layers):
+            for i in range(L):
                 layer = self.layers if stacked else self.layers[i]
                 layer_weights = {name: w[i] for name, w in weights.items()} if stacked else layer.weights()
-                h, layer_kv = layer.step(layer_weights, h, cos, sin, masks, new_mask, kv_cache[i])
+                layer_cos, layer_sin = (cos[i], sin[i]) if per_layer else (cos, sin)
+                h, layer_kv = layer.step(layer_weights, h, layer_cos, layer_sin, masks, new_mask, kv_cache[i])
                 new_kv.append(layer_kv)
             new_kv = torch.stack(new_kv)
 
         # One write on the whole cache for every layer's K and V: writes through views would copy the cache.
-        L, dev = kv_cache.shape[0], kv_cache.device
+        dev = kv_cache.device
         index = (
             torch.arange(L, device=dev).view(L, 1, 1, 1, 1),
             torch.arange(2, device=dev).view(1, 2, 1, 1, 1),
@@ -380,4 +407,5 @@ class StaticDecoder(nn.Module):
         h = h[torch.arange(B, device=h.device), last_index]  # [B, hidden]
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        return self.kernels.lm_head(h, weight, self.spec.tie_word_embeddings).float()
+        logits = self.kernels.lm_head(h, weight, self.spec.tie_word_embeddings)
+        return (logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling).float()
