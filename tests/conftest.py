@@ -108,6 +108,13 @@ def smollm2_compiled(smollm2_checkpoint):
         token_buckets=[128])
 
 
+# Sliding windows shorter than the sequence: on every layer (mistral), on some layers only (qwen2: layer 1).
+SLIDING_WINDOW_CONFIGS = {
+    "mistral-every-layer": ("mistral", dict(sliding_window=12)),
+    "qwen2-layer-1": ("qwen2", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+}
+
+
 def left_padded_prompts(lengths, seed: int):
     """Random prompts of these lengths, left-padded like a tokenizer with padding_side='left' does: (ids, mask)."""
     generator = torch.Generator().manual_seed(seed)

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ARCHITECTURES, TINY_EXPORT, assert_bf16_logits_within_tolerance, left_padded_prompts
+from conftest import ARCHITECTURES, SLIDING_WINDOW_CONFIGS, TINY_EXPORT, build_tiny_checkpoint, assert_bf16_logits_within_tolerance, left_padded_prompts
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.modeling.decoder import StaticDecoder
 from optimum_neuronx.verification import compare_generation
@@ -62,6 +62,19 @@ def test_every_architecture_matches_transformers(tiny_checkpoint, reference_mode
                                                    **NEURON_EXPORT)
     result = _compare(model, reference_model(model_type))
     print(f"{model_type} tp_degree={tp}: {result.summary()}")
+    assert result.tokens_match and result.max_logit_diff < 1e-4
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", SLIDING_WINDOW_CONFIGS)
+def test_sliding_windows_match_transformers(case, tp, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = SLIDING_WINDOW_CONFIGS[case]
+    checkpoint = build_tiny_checkpoint(model_type, tmp_path / "checkpoint", **overrides)
+    model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, num_cores=tp, **NEURON_EXPORT)
+    result = _compare(model, AutoModelForCausalLM.from_pretrained(checkpoint).eval())
+    print(f"{case} tp_degree={tp}: {result.summary()}")
     assert result.tokens_match and result.max_logit_diff < 1e-4
 
 

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import (ARCHITECTURES, assert_bf16_logits_within_tolerance, build_tiny_checkpoint, left_padded_prompts,
+from conftest import (ARCHITECTURES, SLIDING_WINDOW_CONFIGS, TINY_EXPORT, assert_bf16_logits_within_tolerance, build_tiny_checkpoint, left_padded_prompts,
                       tune)
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
@@ -389,6 +389,24 @@ def test_prompts_longer_than_an_attention_block_match_eager(tiny_checkpoint, ref
     input_ids, attention_mask = left_padded_prompts((bucket - block - 8, block + 20, bucket - 14), seed=2)
     result = compare_generation(reference_model(model_type), compiled, input_ids, attention_mask,
                                 max_new_tokens=20, min_new_tokens=20)
+    assert result.max_logit_diff < LOGIT_TOLERANCE, result
+    assert result.tokens_match, result
+
+
+@pytest.mark.parametrize("case", SLIDING_WINDOW_CONFIGS)
+def test_sliding_windows_shorter_than_the_sequence_match_eager(case, tmp_path, left_padded_batch):
+    # Prompts of 5..14 tokens and 45 new ones under a 12-token window: it cuts into the prompts, then slides along
+    # the generation across the 32 -> 64 token bucket.
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = SLIDING_WINDOW_CONFIGS[case]
+    checkpoint = build_tiny_checkpoint(model_type, tmp_path / "checkpoint", **overrides)
+    compiled = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, **TINY_EXPORT)
+    assert compiled.neuron_config.sequence_length > 12
+    input_ids, attention_mask = left_padded_batch
+    result = compare_generation(AutoModelForCausalLM.from_pretrained(checkpoint).eval(), compiled, input_ids,
+                                attention_mask, max_new_tokens=45, min_new_tokens=45)
+    print(f"{case}: {result.summary()}")
     assert result.max_logit_diff < LOGIT_TOLERANCE, result
     assert result.tokens_match, result
 

@@ -64,10 +64,8 @@ def test_flags_and_weight_mapping_cover_every_parameter(model_type, flags):
 @pytest.mark.parametrize("model_type, overrides, message", [
     ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
      r"llama: config.rope_parameters\['rope_type'\] = 'dynamic' is not supported.*default, linear, llama3, yarn"),
-    ("mistral", dict(sliding_window=32),
-     r"mistral: config.sliding_window = 32 is shorter than sequence_length = 64.*sequence_length <= 32"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0),
-     r"qwen2: config.sliding_window = 16 is shorter than sequence_length = 64"),
+    ("qwen2", dict(layer_types=["chunked_attention", "full_attention"]),
+     r"qwen2: config.layer_types holds \['chunked_attention'\].*full_attention, sliding_attention"),
     ("llama", dict(hidden_act="swish_glu"), r"config.hidden_act = 'swish_glu' is not supported"),
     ("smollm3", dict(no_rope_layers=[1, 2, 1]), r"smollm3: config.no_rope_layers must hold one 0 or 1 per layer \(3\)"),
 ])
@@ -76,8 +74,14 @@ def test_unsupported_config_features_are_refused(model_type, overrides, message)
         get_export_config(model_type).decoder_spec(_config(model_type, **overrides), SMALL)
 
 
-def test_sliding_window_longer_than_sequence_is_accepted():
-    get_export_config("mistral").decoder_spec(_config("mistral", sliding_window=4096), SMALL)
+def test_sliding_windows_per_layer():
+    spec = lambda model_type, **kw: get_export_config(model_type).decoder_spec(_config(model_type, **kw), SMALL)  # noqa
+    assert (spec("mistral", sliding_window=4096).sliding_window, spec("mistral").sliding_layers) == (0, ())  # covers all
+    assert (spec("mistral", sliding_window=16).sliding_window, spec("mistral", sliding_window=16).sliding_layers) == (
+        16, (0, 1))
+    qwen2 = spec("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert (qwen2.sliding_window, qwen2.sliding_layers) == (16, (1,))
+    assert spec("qwen2", use_sliding_window=False, sliding_window=16).sliding_window == 0
 
 
 def test_memory_plan_for_a_1b_llama():

@@ -21,6 +21,7 @@ Flag = Union[bool, str]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Decoder parameter -> Transformers parameters, concatenated along dim 0 (this is how q/k/v and
 # gate/up are fused). "{i}" is the layer index. Entries whose source is absent are skipped only
@@ -77,16 +78,15 @@ class ExportConfig:
         partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         if partial not in (None, 1.0):
             raise ValueError(f"{self.model_type}: partial_rotary_factor = {partial} is not supported (only 1.0).")
+        layer_types = getattr(config, "layer_types", None) or ()
+        unknown = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"{self.model_type}: config.layer_types holds {unknown}, which the static decoder does not "
+                             f"implement; supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)}.")
         window = getattr(config, "sliding_window", None)
-        layer_types = getattr(config, "layer_types", None)
-        sliding_used = (window is not None and getattr(config, "use_sliding_window", True) is not False
-                        and (layer_types is None or "sliding_attention" in layer_types))
-        if sliding_used and window < neuron_config.sequence_length:
-            raise ValueError(
-                f"{self.model_type}: config.sliding_window = {window} is shorter than sequence_length = "
-                f"{neuron_config.sequence_length}; sliding-window attention is not implemented. Export with "
-                f"sequence_length <= {window}."
-            )
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"{self.model_type}: config.sliding_window = {window!r} must be a positive integer or "
+                             f"None.")
         act = getattr(config, "hidden_act", "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
@@ -117,7 +117,22 @@ class ExportConfig:
             rope_attention_scaling=float(attention_scaling),
             **{name: float(getattr(config, source)) for name, source in self.scalars.items()},
             nope_layers=self._nope_layers(config),
+            **self._sliding_window(config, neuron_config),
         )
+
+    @staticmethod
+    def _sliding_window(config, neuron_config: NeuronConfig) -> dict:
+        """The window and the layers it applies to (config.layer_types where the config lists them, else every
+        layer); none when the window covers the whole sequence_length, where it changes nothing."""
+        window = getattr(config, "sliding_window", None)
+        if window is None or getattr(config, "use_sliding_window", True) is False:
+            return {}
+        layer_types = getattr(config, "layer_types", None)
+        layers = tuple(i for i in range(config.num_hidden_layers)
+                       if layer_types is None or layer_types[i] == "sliding_attention")
+        if not layers or window >= neuron_config.sequence_length:
+            return {}
+        return {"sliding_window": int(window), "sliding_layers": layers}
 
     def _nope_layers(self, config) -> tuple[int, ...]:
         if self.rope_layers is None:

@@ -64,6 +64,10 @@ class DecoderSpec:
     logits_scaling: float = 1.0
     # Layers that use no position encoding (smollm3's NoPE layers): their queries and keys are not rotated.
     nope_layers: tuple[int, ...] = ()
+    # Sliding-window attention: the layers in `sliding_layers` attend only to keys fewer than `sliding_window`
+    # positions before the query (0: no window).
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
 
     def kv_cache_shape(self, batch_size: int, sequence_length: int) -> tuple[int, ...]:
         """Shape of the KV cache, every layer's in one tensor."""
@@ -304,7 +308,15 @@ class StaticDecoder(nn.Module):
         if spec.nope_layers:  # 1 where a layer rotates its queries and keys, 0 where it uses no position encoding
             rotates = [0.0 if i in spec.nope_layers else 1.0 for i in range(spec.num_layers)]
             self.register_buffer("rope_layers", torch.tensor(rotates, dtype=torch.float32, device="cpu"))
+        if self._mixed_windows:  # 1 where a layer attends through the sliding window, 0 where to every key
+            sliding = [1.0 if i in spec.sliding_layers else 0.0 for i in range(spec.num_layers)]
+            self.register_buffer("sliding_layer_flags", torch.tensor(sliding, dtype=torch.float32, device="cpu"))
         self.requires_grad_(False)
+
+    @property
+    def _mixed_windows(self) -> bool:
+        """Some layers slide their window and others do not: each layer picks its masks in the loop."""
+        return bool(self.spec.sliding_window) and 0 < len(self.spec.sliding_layers) < self.spec.num_layers
 
     def parameter_names(self) -> list[str]:
         """Names filled from the checkpoint (the RoPE buffer is derived from the config)."""
@@ -335,6 +347,13 @@ class StaticDecoder(nn.Module):
             kv_cache,
         )
 
+    def _masks(self, allowed, fresh, dtype, n_rep):
+        """The additive attention masks (pieces, `attention_masks`) of `allowed` [B, 1, T, W] and of the new tokens
+        among themselves, `fresh` [B, 1, T, T] (None in a context graph)."""
+        if fresh is None:
+            return attention_masks(_additive(allowed, dtype), n_rep, self.kernels.causal_block), None
+        return attention_masks(_additive(allowed, dtype), n_rep), attention_masks(_additive(fresh, dtype), n_rep)[0]
+
     def forward(self, input_ids, position_ids, cache_start, key_valid, last_index, kv_cache):
         B, T = input_ids.shape
         W = key_valid.shape[1]
@@ -351,32 +370,58 @@ class StaticDecoder(nn.Module):
         if T == W:  # a context graph: the window is its tokens, from slot 0
             key_slots = torch.arange(W, device=input_ids.device)
             allowed = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[None, None, :, None])
-            masks, new_mask = attention_masks(_additive(allowed, dtype), n_rep, self.kernels.causal_block), None
+            fresh = None
         else:
             # The cache's slots from cache_start on hold stale K/V until the write after the layers: the new tokens
             # are attended to from new_kv instead, causally among themselves.
             cached = key_valid & (torch.arange(W, device=input_ids.device) < cache_start)  # [B, W]
-            masks = attention_masks(_additive(cached[:, None, None, :].expand(B, 1, T, W), dtype), n_rep)
+            allowed = cached[:, None, None, :].expand(B, 1, T, W)
             causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
             fresh = key_valid.index_select(1, slots)[:, None, None, :] & causal  # [B, 1, T, T]
-            new_mask = attention_masks(_additive(fresh, dtype), n_rep)[0]
+        masks, new_mask = self._masks(allowed, fresh, dtype, n_rep)
+        sliding = self.spec.sliding_window and self.spec.sliding_layers
+        if sliding:
+            # A key's position is its rank among the row's real slots (positions count real tokens only).
+            key_positions = key_valid.long().cumsum(1) - 1  # [B, W]
+            near = (position_ids[:, None, :, None] - key_positions[:, None, None, :]) < self.spec.sliding_window
+            near_fresh = None if fresh is None else (
+                (position_ids[:, None, :, None] - position_ids[:, None, None, :]) < self.spec.sliding_window)
+            window_masks = self._masks(allowed & near, None if fresh is None else fresh & near_fresh, dtype, n_rep)
+            if not self._mixed_windows:
+                masks, new_mask = window_masks
 
         L, per_layer = self.spec.num_layers, bool(self.spec.nope_layers)
         if per_layer:  # cos / sin per layer [L, B, T, 1, D]: NoPE layers get the identity rotation (cos 1, sin 0)
             rotates = self.rope_layers.to(dtype).view(L, 1, 1, 1, 1)
             cos, sin = cos * rotates + (1 - rotates), sin * rotates
 
+        mixed = self._mixed_windows
+
+        def layer_masks(flag):
+            """A mixed-window model's masks for the layer whose sliding flag is `flag` (a 0-d tensor)."""
+            if not mixed:
+                return masks, new_mask
+            pick = lambda a, b: torch.where(flag > 0, a, b)  # noqa: E731
+            return ([pick(w, f) for w, f in zip(window_masks[0], masks)],
+                    None if new_mask is None else pick(window_masks[1], new_mask))
+
         stacked = isinstance(self.layers, DecoderLayer)
         if stacked and self.kernels.scan_layers:
             # One loop over the stacked layers: the compiler traces, lowers and compiles one layer, not num_layers.
             layer = self.layers
-            if per_layer:
-                def body(h, xs):
-                    weights, layer_cache, layer_cos, layer_sin = xs
-                    return layer.step(weights, h, layer_cos, layer_sin, masks, new_mask, layer_cache)
+            if per_layer or mixed:  # per-layer inputs ride along with the weights
+                extra = {"cos": cos, "sin": sin} if per_layer else {}
+                if mixed:
+                    extra["sliding"] = self.sliding_layer_flags
 
-                h, new_kv = scan(body, h, (layer.weights(), kv_cache, cos, sin))
-            else:  # every layer rotates alike: one cos / sin the loop body reads
+                def body(h, xs):
+                    weights, layer_cache, x = xs
+                    layer_mask, layer_new_mask = layer_masks(x.get("sliding"))
+                    return layer.step(weights, h, x.get("cos", cos), x.get("sin", sin), layer_mask, layer_new_mask,
+                                      layer_cache)
+
+                h, new_kv = scan(body, h, (layer.weights(), kv_cache, extra))
+            else:  # every layer alike: one cos / sin and one set of masks the loop body reads
                 def body(h, xs):
                     weights, layer_cache = xs
                     return layer.step(weights, h, cos, sin, masks, new_mask, layer_cache)
@@ -389,7 +434,9 @@ class StaticDecoder(nn.Module):
                 layer = self.layers if stacked else self.layers[i]
                 layer_weights = {name: w[i] for name, w in weights.items()} if stacked else layer.weights()
                 layer_cos, layer_sin = (cos[i], sin[i]) if per_layer else (cos, sin)
-                h, layer_kv = layer.step(layer_weights, h, layer_cos, layer_sin, masks, new_mask, kv_cache[i])
+                layer_mask, layer_new_mask = layer_masks(self.sliding_layer_flags[i] if mixed else None)
+                h, layer_kv = layer.step(layer_weights, h, layer_cos, layer_sin, layer_mask, layer_new_mask,
+                                         kv_cache[i])
                 new_kv.append(layer_kv)
             new_kv = torch.stack(new_kv)
 
