@@ -108,6 +108,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         self._tmpdir = tmpdir  # owns the export directory of a model exported but not yet saved
         spec = get_export_config(config.model_type).decoder_spec(config, neuron_config)
         self._vocab_size = spec.vocab_size
+        self._rope_long_after = spec.rope_long_after  # LongRoPE: the sequence is re-encoded when it passes this
         shape = spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length)
         kv = get_backend(neuron_config.backend).new_kv_cache(graphs, shape, neuron_config.torch_dtype)
         self._cache = StaticKVCache(spec, neuron_config.batch_size, neuron_config.sequence_length,
@@ -351,6 +352,21 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                              commit_message=commit_message, create_pr=create_pr, include_weights=include_weights)
 
     # -- generation ---------------------------------------------------------------------------------
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        """Transformers' own, plus what its LongRoPE models (phi3) do: the step whose input passes the pretraining
+        length re-encodes the whole sequence (cache dropped), so that every cached key is rotated with the long
+        frequencies from then on."""
+        after = self._rope_long_after
+        if after and input_ids.shape[1] >= after + 1:
+            for name in ("cache", "past_key_values"):
+                handle = kwargs.get(name)
+                if isinstance(handle, CacheHandle) and handle.get_seq_length() <= after:
+                    kwargs[name] = None
+                    if "next_sequence_length" in kwargs:
+                        kwargs["next_sequence_length"] = None
+        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+
+
     def generate(self, inputs=None, generation_config=None, truncate_to_sequence_length: bool = False, **kwargs):
         """Transformers' generate, after checking the request fits the compiled shapes.
 

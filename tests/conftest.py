@@ -35,6 +35,11 @@ TINY_CONFIGS = {
     "qwen3": dict(head_dim=32),
     # Every scalar away from 1 (the attention scale too: not head_dim ** -0.5), so that a missing one shows.
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.09, logits_scaling=2.5),
+    # LongRoPE whose pretraining length (32) the generations cross: the call that passes it switches frequencies.
+    "phi3": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                                  "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                                  "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]},
+                 original_max_position_embeddings=32),
     # The middle layer of three uses no position encoding (NoPE).
     "smollm3": dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1], tie_word_embeddings=False),
 }
@@ -43,6 +48,13 @@ ARCHITECTURES = tuple(TINY_CONFIGS)
 # Compiled shapes shared by the parity tests: a batch of 3, one context bucket, two token buckets
 # so that a 40+ token generation crosses the 32 -> 64 boundary.
 TINY_EXPORT = dict(batch_size=3, sequence_length=64, context_buckets=[16], token_buckets=[32, 64])
+# Per family: phi3's LongRoPE re-encodes the sequence once it passes 32 tokens, which takes a context bucket that long.
+TINY_EXPORT_OVERRIDES = {"phi3": dict(context_buckets=[16, 64])}
+
+
+def tiny_export(model_type: str, **overrides) -> dict:
+    """The export options of a tiny family's parity tests."""
+    return {**TINY_EXPORT, **TINY_EXPORT_OVERRIDES.get(model_type, {}), **overrides}
 
 
 def build_tiny_checkpoint(model_type: str, directory, **overrides):
@@ -75,7 +87,7 @@ def reference_model(tiny_checkpoint):
 def compiled_model(tiny_checkpoint):
     """model_type -> the tiny checkpoint exported with TINY_EXPORT (compiled once per session)."""
     return functools.cache(lambda model_type: NeuronModelForCausalLM.from_pretrained(
-        tiny_checkpoint(model_type), export=True, **TINY_EXPORT))
+        tiny_checkpoint(model_type), export=True, **tiny_export(model_type)))
 
 
 @pytest.fixture(scope="session")

@@ -99,7 +99,7 @@ def test_unknown_model_type(tmp_path):
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported.*granite, llama, mistral, phi3, qwen2, qwen3, smollm3"):
         NeuronModelForCausalLM.from_pretrained(tmp_path, export=True, sequence_length=32)
 
 

@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ARCHITECTURES, SLIDING_WINDOW_CONFIGS, TINY_EXPORT, build_tiny_checkpoint, assert_bf16_logits_within_tolerance, left_padded_prompts
+from conftest import (ARCHITECTURES, SLIDING_WINDOW_CONFIGS, TINY_EXPORT, assert_bf16_logits_within_tolerance,
+                      build_tiny_checkpoint, left_padded_prompts, tiny_export)
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.modeling.decoder import StaticDecoder
 from optimum_neuronx.verification import compare_generation
@@ -59,7 +60,7 @@ def test_greedy_generation_matches_transformers_across_buckets(neuron_model, ref
 def test_every_architecture_matches_transformers(tiny_checkpoint, reference_model, model_type, tp):
     # mistral, qwen2 (qkv bias, tied embeddings: the LM head is the embedding table), qwen3 (q/k norm, head_dim 32)
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, num_cores=tp,
-                                                   **NEURON_EXPORT)
+                                                   **tiny_export(model_type, backend="neuron"))
     result = _compare(model, reference_model(model_type))
     print(f"{model_type} tp_degree={tp}: {result.summary()}")
     assert result.tokens_match and result.max_logit_diff < 1e-4

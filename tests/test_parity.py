@@ -32,7 +32,9 @@ def test_greedy_batch_crosses_token_bucket(model_type, reference_model, compiled
     assert result.tokens_match, result
 
 
-@pytest.mark.parametrize("model_type", ARCHITECTURES)
+# phi3 left out: LongRoPE picks its frequencies by the longest position of the whole batch (in Transformers too), so
+# a short prompt switches earlier in a batch than alone.
+@pytest.mark.parametrize("model_type", [a for a in ARCHITECTURES if a != "phi3"])
 def test_prompt_alone_matches_prompt_in_padded_batch(model_type, compiled_model, left_padded_batch):
     model = compiled_model(model_type)
     input_ids, attention_mask = left_padded_batch

@@ -19,11 +19,11 @@ def _config(model_type, **overrides):
 
 
 def test_supported_model_types():
-    assert supported_model_types() == ("granite", "llama", "mistral", "qwen2", "qwen3", "smollm3")
+    assert supported_model_types() == ("granite", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
 
 
 def test_unknown_model_type_lists_supported():
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported.*granite, llama, mistral, phi3, qwen2, qwen3, smollm3"):
         get_export_config("gpt2")
 
 
@@ -34,6 +34,7 @@ def test_unknown_model_type_lists_supported():
     ("qwen3", dict(qkv_bias=False, o_bias=False, qk_norm=True, tie_word_embeddings=False)),
     ("granite", dict(qkv_bias=False, embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.09,
                      logits_scaling=2.5, nope_layers=())),
+    ("phi3", dict(qkv_bias=False, rope_long_after=32, nope_layers=())),
     ("smollm3", dict(qkv_bias=False, tie_word_embeddings=False, nope_layers=(1,), attention_multiplier=None,
                      embedding_multiplier=1.0)),
 ])
@@ -46,7 +47,7 @@ def test_flags_and_weight_mapping_cover_every_parameter(model_type, flags):
     assert {k: getattr(spec, k) for k in flags} == flags
     hf = AutoModelForCausalLM.from_config(config)
     hf_state = hf.state_dict()
-    hf_q = hf_state["model.layers.1.self_attn.q_proj.weight"]
+    hf_q = hf_state.get("model.layers.1.self_attn.q_proj.weight", hf_state.get("model.layers.1.self_attn.qkv_proj.weight"))
     assert parameter_count(spec) == sum(p.numel() for p in hf.parameters())
     # Stacked layers (one loop) and, where weights are packed per layer, unrolled ones.
     for lowering, layer_1_qkv in ((Lowering(), lambda w: w["layers.qkv_proj.weight"][1]),
@@ -98,3 +99,12 @@ def test_memory_plan_for_a_1b_llama():
     assert big_estimate.total_bytes > 16 * GIB
     with pytest.raises(ValueError, match=r"tp_degree \(num_cores\) = 1 needs .* GiB per NeuronCore.*use num_cores="):
         check_fits_neuron_cores(big_estimate)
+
+
+def test_longrope_needs_a_context_bucket_past_its_switch():
+    config = _config("phi3")
+    with pytest.raises(ValueError, match=r"phi3: LongRoPE switches .* past original_max_position_embeddings = 32.*"
+                                         r"context bucket of at least 33 tokens; the largest is 16"):
+        get_export_config("phi3").decoder_spec(config, NeuronConfig(sequence_length=64, context_buckets=[16]))
+    spec = get_export_config("phi3").decoder_spec(config, NeuronConfig(sequence_length=32, context_buckets=[16]))
+    assert spec.rope_long_after == 32 and len(spec.rope_long_inv_freq) == len(spec.rope_inv_freq)

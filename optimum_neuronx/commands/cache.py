@@ -62,7 +62,8 @@ def run_lookup(args) -> int:
           + (f", {len(shared)} in the Hub repo {cache.hub_repo}" if cache.hub_repo else ""))
     for where, metas in (("local", local), ("hub", shared)):
         for meta in metas:
-            usable = "" if meta["fields"]["versions"] == key.fields["versions"] else "  (other versions: not usable here)"
+            same = meta["fields"]["versions"] == key.fields["versions"]
+            usable = "" if same else "  (other versions: not usable here)"
             print(f"  {where}  {meta['digest']}  {_describe(meta)}{usable}")
     if cache.lookup(key) is not None or any(meta["digest"] == key.digest for meta in shared):
         print(f"cache hit {key.digest}: {_describe({'fields': key.fields})}")

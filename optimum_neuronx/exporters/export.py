@@ -71,8 +71,8 @@ def _fetch_trusted(cache: CompileCache, key: CacheKey, trust_remote_code: bool):
 
 
 def artifact_state_dict(artifact_dir: str | Path) -> tuple[object, dict]:
-    """An export's config and its weights back in Transformers' names and shapes (neuronx_weights.safetensors is data: read
-    by the safetensors library), every tensor checked against the model config.json describes: ArtifactError naming
+    """An export's config and its weights back in Transformers' names and shapes (its weights file is data: read by
+    the safetensors library), every tensor checked against the model config.json describes: ArtifactError naming
     the tensor and both shapes where they disagree."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -19,7 +19,7 @@ from ..modeling.layout import untile_weight
 # A flag is either a constant or the name of a boolean field of the Transformers config.
 Flag = Union[bool, str]
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -93,10 +93,21 @@ class ExportConfig:
                 f"{self.model_type}: config.hidden_act = {act!r} is not supported; use one of {SUPPORTED_ACTIVATIONS}."
             )
 
+        long_rope = _long_rope_parameters(config)
+        after = long_rope.get("rope_long_after", 0)
+        if after and after < neuron_config.sequence_length and neuron_config.context_buckets[-1] <= after:
+            raise ValueError(
+                f"{self.model_type}: LongRoPE switches to its long frequencies past original_max_position_embeddings "
+                f"= {after}, and generation then re-encodes the whole sequence (as Transformers does), which needs a "
+                f"context bucket of at least {after + 1} tokens; the largest is {neuron_config.context_buckets[-1]}. "
+                f"Add one (e.g. context_buckets=[..., {neuron_config.sequence_length}]) or export with "
+                f"sequence_length <= {after}.")
+
     # -- decoder spec -----------------------------------------------------------------------------
     def decoder_spec(self, config, neuron_config: NeuronConfig) -> DecoderSpec:
         self.check_supported(config, neuron_config)
         inv_freq, attention_scaling = _rope_parameters(config)
+        long_rope = _long_rope_parameters(config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return DecoderSpec(
             vocab_size=config.vocab_size,
@@ -117,6 +128,7 @@ class ExportConfig:
             rope_attention_scaling=float(attention_scaling),
             **{name: float(getattr(config, source)) for name, source in self.scalars.items()},
             nope_layers=self._nope_layers(config),
+            **long_rope,
             **self._sliding_window(config, neuron_config),
         )
 
@@ -209,6 +221,19 @@ def _is_stacked(name: str) -> bool:
 
 def _layer_name(stacked_name: str, layer: int) -> str:
     return stacked_name.replace("layers.", f"layers.{layer}.", 1)
+
+
+def _long_rope_parameters(config) -> dict:
+    """LongRoPE's second set of frequencies (for calls past the pretraining length) and where it starts; {} for
+    other RoPE types."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type") != "longrope":
+        return {}
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    after = int(rope.get("original_max_position_embeddings") or config.original_max_position_embeddings)
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=after + 1)
+    return {"rope_long_inv_freq": tuple(float(x) for x in long_inv_freq), "rope_long_after": after}
 
 
 def _rope_parameters(config) -> tuple[torch.Tensor, float]:

@@ -10,6 +10,7 @@ _EXPORT_CONFIG_MODULES = {
     "granite": "granite",
     "llama": "llama",
     "mistral": "mistral",
+    "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "smollm3": "smollm3",

@@ -56,6 +56,10 @@ class DecoderSpec:
     tie_word_embeddings: bool
     rope_inv_freq: tuple[float, ...]
     rope_attention_scaling: float
+    # LongRoPE (phi3): these frequencies replace rope_inv_freq in a call whose largest position reaches past
+    # `rope_long_after` (the pretraining length), as Transformers switches them.
+    rope_long_inv_freq: tuple[float, ...] = ()
+    rope_long_after: int = 0
     # Scalar multipliers (granite): the embeddings, each residual branch and the attention scores are multiplied,
     # the logits divided; None: the attention scale is head_dim ** -0.5.
     embedding_multiplier: float = 1.0
@@ -305,6 +309,9 @@ class StaticDecoder(nn.Module):
             self.lm_head = Weights((spec.vocab_size, spec.hidden_size), tile=kernels.weight_tile_for(spec.vocab_size))
         # Explicit device: the decoder is built on the meta device at export and only this buffer is real.
         self.register_buffer("rope_inv_freq", torch.tensor(spec.rope_inv_freq, dtype=torch.float32, device="cpu"))
+        if spec.rope_long_inv_freq:
+            self.register_buffer("rope_long_inv_freq", torch.tensor(spec.rope_long_inv_freq, dtype=torch.float32,
+                                                                    device="cpu"))
         if spec.nope_layers:  # 1 where a layer rotates its queries and keys, 0 where it uses no position encoding
             rotates = [0.0 if i in spec.nope_layers else 1.0 for i in range(spec.num_layers)]
             self.register_buffer("rope_layers", torch.tensor(rotates, dtype=torch.float32, device="cpu"))
@@ -360,7 +367,10 @@ class StaticDecoder(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         h = _residual(self.embed_tokens(input_ids), self.spec.embedding_multiplier)
 
-        freqs = position_ids[..., None].float() * self.rope_inv_freq  # [B, T, D/2]
+        inv_freq = self.rope_inv_freq
+        if self.spec.rope_long_inv_freq:  # one set for the whole call, picked by its largest position
+            inv_freq = torch.where(position_ids.max() + 1 > self.spec.rope_long_after, self.rope_long_inv_freq, inv_freq)
+        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
         sin = (emb.sin() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
