@@ -40,6 +40,9 @@ TINY_CONFIGS = {
                                   "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
                                   "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]},
                  original_max_position_embeddings=32),
+    # 6 heads of 16 (no KV grouping in gpt2), an odd MLP width (n_inner), gpt2's own activation name.
+    "gpt2": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=None, n_inner=200,
+                 activation_function="gelu_new"),
     # The middle layer of three uses no position encoding (NoPE).
     "smollm3": dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1], tie_word_embeddings=False),
 }

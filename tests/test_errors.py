@@ -96,10 +96,10 @@ def test_dtype_keywords_mean_auto_cast_type(tiny_checkpoint, saved_tiny_llama):
 
 
 def test_unknown_model_type(tmp_path):
-    from transformers import GPT2Config
+    from transformers import BloomConfig
 
-    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported.*granite, llama, mistral, phi3, qwen2, qwen3, smollm3"):
+    BloomConfig(n_layer=1, hidden_size=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model_type 'bloom' is not supported.*gpt2, granite, llama, mistral, phi3"):
         NeuronModelForCausalLM.from_pretrained(tmp_path, export=True, sequence_length=32)
 
 

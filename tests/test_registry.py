@@ -19,12 +19,13 @@ def _config(model_type, **overrides):
 
 
 def test_supported_model_types():
-    assert supported_model_types() == ("granite", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+    assert supported_model_types() == ("gpt2", "granite", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
 
 
 def test_unknown_model_type_lists_supported():
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported.*granite, llama, mistral, phi3, qwen2, qwen3, smollm3"):
-        get_export_config("gpt2")
+    with pytest.raises(ValueError, match=r"model_type 'bloom' is not supported.*Supported model types: gpt2, granite, "
+                                         r"llama, mistral, phi3, qwen2, qwen3, smollm3"):
+        get_export_config("bloom")
 
 
 @pytest.mark.parametrize("model_type, flags", [
@@ -35,6 +36,9 @@ def test_unknown_model_type_lists_supported():
     ("granite", dict(qkv_bias=False, embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.09,
                      logits_scaling=2.5, nope_layers=())),
     ("phi3", dict(qkv_bias=False, rope_long_after=32, nope_layers=())),
+    ("gpt2", dict(qkv_bias=True, o_bias=True, mlp_bias=True, norm="layer", positions="learned", mlp="plain",
+                  max_positions=256, num_kv_heads=6, intermediate_size=200, hidden_act="gelu_new",
+                  tie_word_embeddings=True)),
     ("smollm3", dict(qkv_bias=False, tie_word_embeddings=False, nope_layers=(1,), attention_multiplier=None,
                      embedding_multiplier=1.0)),
 ])
@@ -47,7 +51,11 @@ def test_flags_and_weight_mapping_cover_every_parameter(model_type, flags):
     assert {k: getattr(spec, k) for k in flags} == flags
     hf = AutoModelForCausalLM.from_config(config)
     hf_state = hf.state_dict()
-    hf_q = hf_state.get("model.layers.1.self_attn.q_proj.weight", hf_state.get("model.layers.1.self_attn.qkv_proj.weight"))
+    hf_q = next(hf_state[n] for n in ("model.layers.1.self_attn.q_proj.weight",
+                                      "model.layers.1.self_attn.qkv_proj.weight", "transformer.h.1.attn.c_attn.weight")
+                if n in hf_state)
+    if model_type == "gpt2":
+        hf_q = hf_q.t()  # Conv1D stores [in, out]
     assert parameter_count(spec) == sum(p.numel() for p in hf.parameters())
     # Stacked layers (one loop) and, where weights are packed per layer, unrolled ones.
     for lowering, layer_1_qkv in ((Lowering(), lambda w: w["layers.qkv_proj.weight"][1]),
@@ -68,6 +76,8 @@ def test_flags_and_weight_mapping_cover_every_parameter(model_type, flags):
     ("qwen2", dict(layer_types=["chunked_attention", "full_attention"]),
      r"qwen2: config.layer_types holds \['chunked_attention'\].*full_attention, sliding_attention"),
     ("llama", dict(hidden_act="swish_glu"), r"config.hidden_act = 'swish_glu' is not supported"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),
+     r"gpt2: config.scale_attn_by_inverse_layer_idx = True is not supported by the static decoder \(only False\)"),
     ("smollm3", dict(no_rope_layers=[1, 2, 1]), r"smollm3: config.no_rope_layers must hold one 0 or 1 per layer \(3\)"),
 ])
 def test_unsupported_config_features_are_refused(model_type, overrides, message):

@@ -20,7 +20,7 @@ from ..modeling.layout import untile_weight
 Flag = Union[bool, str]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Decoder parameter -> Transformers parameters, concatenated along dim 0 (this is how q/k/v and
@@ -64,10 +64,37 @@ class ExportConfig:
     scalars: Mapping[str, str] = field(default_factory=dict)
     # The config field listing, per layer, 1 where it applies RoPE and 0 where it uses no position encoding.
     rope_layers: str | None = None
+    # The block's kinds (modeling.decoder NORMS, POSITIONS, MLPS).
+    norm: str = "rms"
+    positions: str = "rope"
+    mlp: str = "gated"
+    # Where this family's config keeps what the decoder reads under Llama's names (gpt2: n_inner, layer_norm_epsilon,
+    # activation_function).
+    config_fields: Mapping[str, str] = field(default_factory=dict)
+    # Decoder parameters (weight_map templates) whose checkpoint tensors are stored transposed (gpt2's Conv1D).
+    transposed: tuple[str, ...] = ()
+    # Config fields whose other values change the math in ways the decoder does not implement: field -> the value
+    # it must have.
+    required: Mapping[str, object] = field(default_factory=dict)
 
     # -- validation -------------------------------------------------------------------------------
+    def config_value(self, config, name: str, default=None):
+        """The config value the decoder calls `name`, read where this family keeps it."""
+        value = getattr(config, self.config_fields.get(name, name), None)
+        return default if value is None else value
+
     def check_supported(self, config, neuron_config: NeuronConfig) -> None:
         """Refuse, at export, every config feature the static decoder does not implement."""
+        for name, value in self.required.items():
+            if getattr(config, name, value) != value:
+                raise ValueError(f"{self.model_type}: config.{name} = {getattr(config, name)!r} is not supported by the "
+                                 f"static decoder (only {value!r}).")
+        if self.positions == "learned":
+            limit = config.max_position_embeddings
+            if neuron_config.sequence_length > limit:
+                raise ValueError(f"{self.model_type}: sequence_length = {neuron_config.sequence_length} is longer than "
+                                 f"the model's learned position table (max_position_embeddings = {limit}): export "
+                                 f"with sequence_length <= {limit}.")
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -87,7 +114,7 @@ class ExportConfig:
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ValueError(f"{self.model_type}: config.sliding_window = {window!r} must be a positive integer or "
                              f"None.")
-        act = getattr(config, "hidden_act", "silu")
+        act = self.config_value(config, "hidden_act", "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
                 f"{self.model_type}: config.hidden_act = {act!r} is not supported; use one of {SUPPORTED_ACTIVATIONS}."
@@ -106,19 +133,20 @@ class ExportConfig:
     # -- decoder spec -----------------------------------------------------------------------------
     def decoder_spec(self, config, neuron_config: NeuronConfig) -> DecoderSpec:
         self.check_supported(config, neuron_config)
-        inv_freq, attention_scaling = _rope_parameters(config)
-        long_rope = _long_rope_parameters(config)
+        rotary = self.positions == "rope"
+        inv_freq, attention_scaling = _rope_parameters(config) if rotary else ((), 1.0)
+        long_rope = _long_rope_parameters(config) if rotary else {}
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return DecoderSpec(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=self.config_value(config, "intermediate_size", 4 * config.hidden_size),
             num_layers=config.num_hidden_layers,
             num_heads=config.num_attention_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            hidden_act=getattr(config, "hidden_act", "silu"),
+            rms_norm_eps=self.config_value(config, "rms_norm_eps"),
+            hidden_act=self.config_value(config, "hidden_act", "silu"),
             qkv_bias=_flag(config, self.qkv_bias),
             o_bias=_flag(config, self.o_bias),
             mlp_bias=_flag(config, self.mlp_bias),
@@ -130,6 +158,8 @@ class ExportConfig:
             nope_layers=self._nope_layers(config),
             **long_rope,
             **self._sliding_window(config, neuron_config),
+            norm=self.norm, positions=self.positions, mlp=self.mlp,
+            max_positions=config.max_position_embeddings if self.positions == "learned" else 0,
         )
 
     @staticmethod
@@ -182,6 +212,8 @@ class ExportConfig:
                 f"{self.model_type} checkpoint?"
             )
         tensors = [hf_state[n].detach() for n in hf_names]
+        if _LAYER_INDEX.sub("layers.{i}.", name) in self.transposed:
+            tensors = [t.t() for t in tensors]
         return (torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]).to(dtype).contiguous()
 
     def _sources(self, name: str) -> list[str] | None:
@@ -209,9 +241,10 @@ class ExportConfig:
                 continue  # derived buffers (RoPE frequencies)
             if tensor.dim() == 3:  # a tiled projection weight [N / T, K, T]
                 tensor = untile_weight(tensor)
-            sizes = [hf_state[n].shape[0] for n in hf_names]
+            transposed = _LAYER_INDEX.sub("layers.{i}.", name) in self.transposed
+            sizes = [hf_state[n].shape[-1 if transposed else 0] for n in hf_names]
             for hf_name, part in zip(hf_names, torch.split(tensor, sizes, dim=0)):
-                out[hf_name] = part.to(hf_state[hf_name].dtype)
+                out[hf_name] = (part.t().contiguous() if transposed else part).to(hf_state[hf_name].dtype)
         return out
 
 

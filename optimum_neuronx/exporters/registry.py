@@ -7,6 +7,7 @@ import importlib
 from .export_config import ExportConfig
 
 _EXPORT_CONFIG_MODULES = {
+    "gpt2": "gpt2",
     "granite": "granite",
     "llama": "llama",
     "mistral": "mistral",

@@ -35,7 +35,11 @@ _ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # gpt2's name for the same tanh approximation
 }
+NORMS = ("rms", "layer")  # RMSNorm; LayerNorm with a bias
+POSITIONS = ("rope", "learned")  # rotary; a learned table added to the token embeddings
+MLPS = ("gated", "plain")  # act(gate) * up -> down; act(up) -> down
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,11 @@ class DecoderSpec:
     # positions before the query (0: no window).
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
+    # The block's kinds (NORMS, POSITIONS, MLPS); `max_positions`: the learned position table's size.
+    norm: str = "rms"
+    positions: str = "rope"
+    max_positions: int = 0
+    mlp: str = "gated"
 
     def kv_cache_shape(self, batch_size: int, sequence_length: int) -> tuple[int, ...]:
         """Shape of the KV cache, every layer's in one tensor."""
@@ -184,14 +193,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
+    """The block's norm (`DecoderSpec.norm`): RMSNorm, or LayerNorm with its bias (in the model dtype, as
+    Transformers' nn.LayerNorm computes it)."""
+    if kind == "layer":
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    return rms_norm(x, weight, eps)
+
+
+class Norm(nn.Module):
+    def __init__(self, size: int, eps: float, kind: str = "rms"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+        self.bias = nn.Parameter(torch.zeros(size)) if kind == "layer" else None
+        self.eps, self.kind = eps, kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return norm(x, self.weight, self.bias, self.kind, self.eps)
 
 
 class Weights(nn.Module):
@@ -227,15 +245,19 @@ class DecoderLayer(nn.Module):
         self.spec, self.kernels, self.stacked = spec, kernels, bool(layers)
         kv_width = s.num_kv_heads * s.head_dim
         qkv_width, tiles = s.num_heads * s.head_dim + 2 * kv_width, kernels.weight_tile_for
-        self.input_norm = Weights((s.hidden_size,), lead=lead, fill=1.0)
+        norm_bias = s.norm == "layer"
+        self.input_norm = Weights((s.hidden_size,), norm_bias, lead=lead, fill=1.0)
         self.qkv_proj = Weights((qkv_width, s.hidden_size), s.qkv_bias, lead, tile=tiles(qkv_width))
         self.o_proj = Weights((s.hidden_size, s.num_heads * s.head_dim), s.o_bias, lead, tile=tiles(s.hidden_size))
         if s.qk_norm:
             self.q_norm = Weights((s.head_dim,), lead=lead, fill=1.0)
             self.k_norm = Weights((s.head_dim,), lead=lead, fill=1.0)
-        self.post_attention_norm = Weights((s.hidden_size,), lead=lead, fill=1.0)
-        self.gate_up_proj = Weights((2 * s.intermediate_size, s.hidden_size), s.mlp_bias, lead,
-                                    tile=tiles(2 * s.intermediate_size))
+        self.post_attention_norm = Weights((s.hidden_size,), norm_bias, lead=lead, fill=1.0)
+        if s.mlp == "gated":
+            self.gate_up_proj = Weights((2 * s.intermediate_size, s.hidden_size), s.mlp_bias, lead,
+                                        tile=tiles(2 * s.intermediate_size))
+        else:
+            self.up_proj = Weights((s.intermediate_size, s.hidden_size), s.mlp_bias, lead, tile=tiles(s.intermediate_size))
         self.down_proj = Weights((s.hidden_size, s.intermediate_size), s.mlp_bias, lead, tile=tiles(s.hidden_size))
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -258,8 +280,11 @@ class DecoderLayer(nn.Module):
         def proj(x, name):
             return kernels.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"), self.stacked)
 
+        def block_norm(x, name):
+            return norm(x, w[f"{name}.weight"], w.get(f"{name}.bias"), s.norm, s.rms_norm_eps)
+
         shards = kernels.shards
-        qkv = proj(rms_norm(h, w["input_norm.weight"], s.rms_norm_eps), "qkv_proj").view(B, T, shards, -1)
+        qkv = proj(block_norm(h, "input_norm"), "qkv_proj").view(B, T, shards, -1)
         q, k, v = qkv.split([s.num_heads * s.head_dim // shards, s.num_kv_heads * s.head_dim // shards,
                              s.num_kv_heads * s.head_dim // shards], -1)
         q = q.reshape(B, T, s.num_heads, s.head_dim)
@@ -267,8 +292,9 @@ class DecoderLayer(nn.Module):
         v = v.reshape(B, T, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = rms_norm(q, w["q_norm.weight"], s.rms_norm_eps), rms_norm(k, w["k_norm.weight"], s.rms_norm_eps)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if cos is not None:  # rotary positions (learned ones were added to the embeddings)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         new_kv = torch.stack((k, v)).permute(0, 1, 3, 2, 4).to(kv_cache.dtype)  # [2, B, kv_heads, T, D]
 
         # GQA without repeating K/V: fold the query heads of one KV group into the query axis, token-major.
@@ -283,7 +309,11 @@ class DecoderLayer(nn.Module):
         attn = attn.view(B, s.num_kv_heads, T, n_rep, s.head_dim).transpose(1, 2)
         h = h + _residual(proj(attn.reshape(B, T, s.num_heads * s.head_dim), "o_proj"), s.residual_multiplier)
 
-        gate_up = proj(rms_norm(h, w["post_attention_norm.weight"], s.rms_norm_eps), "gate_up_proj")
+        x = block_norm(h, "post_attention_norm")
+        if s.mlp == "plain":
+            return h + _residual(proj(_ACTIVATIONS[s.hidden_act](proj(x, "up_proj")), "down_proj"),
+                                 s.residual_multiplier), new_kv
+        gate_up = proj(x, "gate_up_proj")
         if shards == 1:
             gate, up = gate_up.chunk(2, dim=-1)
         else:
@@ -304,7 +334,9 @@ class StaticDecoder(nn.Module):
             self.layers = DecoderLayer(spec, kernels, layers=spec.num_layers)
         else:
             self.layers = nn.ModuleList(DecoderLayer(spec, kernels) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if spec.positions == "learned":
+            self.embed_positions = nn.Embedding(spec.max_positions, spec.hidden_size)
+        self.norm = Norm(spec.hidden_size, spec.rms_norm_eps, spec.norm)
         if not spec.tie_word_embeddings:
             self.lm_head = Weights((spec.vocab_size, spec.hidden_size), tile=kernels.weight_tile_for(spec.vocab_size))
         # Explicit device: the decoder is built on the meta device at export and only this buffer is real.
@@ -367,13 +399,18 @@ class StaticDecoder(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         h = _residual(self.embed_tokens(input_ids), self.spec.embedding_multiplier)
 
-        inv_freq = self.rope_inv_freq
-        if self.spec.rope_long_inv_freq:  # one set for the whole call, picked by its largest position
-            inv_freq = torch.where(position_ids.max() + 1 > self.spec.rope_long_after, self.rope_long_inv_freq, inv_freq)
-        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
-        sin = (emb.sin() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
+        cos = sin = None
+        if self.spec.positions == "learned":  # padding slots' positions may be anything: clamped into the table
+            h = h + self.embed_positions(position_ids.clamp(0, self.spec.max_positions - 1))
+        else:
+            inv_freq = self.rope_inv_freq
+            if self.spec.rope_long_inv_freq:  # one set for the whole call, picked by its largest position
+                inv_freq = torch.where(position_ids.max() + 1 > self.spec.rope_long_after, self.rope_long_inv_freq,
+                                       inv_freq)
+            freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos = (emb.cos() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
+            sin = (emb.sin() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
 
         slots = cache_start + torch.arange(T, device=input_ids.device)  # [T]
         n_rep = self.spec.num_heads // self.spec.num_kv_heads

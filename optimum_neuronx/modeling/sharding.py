@@ -24,6 +24,7 @@ from .decoder import DecoderSpec
 SHARDED_AXES = {
     "qkv_proj.weight": -2, "qkv_proj.bias": -1,
     "gate_up_proj.weight": -2, "gate_up_proj.bias": -1,
+    "up_proj.weight": -2, "up_proj.bias": -1,  # a plain MLP's (gpt2)
     "o_proj.weight": -1, "down_proj.weight": -1,
     "lm_head.weight": -2,
 }

@@ -116,8 +116,10 @@ class Lowering(Kernels):
         rows, dtype = self.packed_rows, decoder.embed_tokens.weight.dtype
         if not rows or self.uses_dot_kernel(rows, dtype) or self.stacked_layers:
             return []
+        present = set(decoder.parameter_names())
         names = [f"layers.{i}.{name}.weight" for i in range(decoder.spec.num_layers)
-                 for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+                 for name in ("qkv_proj", "o_proj", "gate_up_proj", "up_proj", "down_proj")
+                 if f"layers.{i}.{name}.weight" in present]
         return names if decoder.spec.tie_word_embeddings else [*names, "lm_head.weight"]
 
 
