@@ -43,6 +43,10 @@ TINY_CONFIGS = {
     # 6 heads of 16 (no KV grouping in gpt2), an odd MLP width (n_inner), gpt2's own activation name.
     "gpt2": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=None, n_inner=200,
                  activation_function="gelu_new"),
+    # 4 experts, top 2, of an odd width; qwen3_moe without renormalizing the top-2 weights.
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=72),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
+                      head_dim=32),
     # The middle layer of three uses no position encoding (NoPE).
     "smollm3": dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1], tie_word_embeddings=False),
 }

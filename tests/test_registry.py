@@ -19,12 +19,13 @@ def _config(model_type, **overrides):
 
 
 def test_supported_model_types():
-    assert supported_model_types() == ("gpt2", "granite", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+    assert supported_model_types() == ("gpt2", "granite", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3",
+                                       "qwen3_moe", "smollm3")
 
 
 def test_unknown_model_type_lists_supported():
     with pytest.raises(ValueError, match=r"model_type 'bloom' is not supported.*Supported model types: gpt2, granite, "
-                                         r"llama, mistral, phi3, qwen2, qwen3, smollm3"):
+                                         r"llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe, smollm3"):
         get_export_config("bloom")
 
 
@@ -36,6 +37,10 @@ def test_unknown_model_type_lists_supported():
     ("granite", dict(qkv_bias=False, embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.09,
                      logits_scaling=2.5, nope_layers=())),
     ("phi3", dict(qkv_bias=False, rope_long_after=32, nope_layers=())),
+    ("mixtral", dict(mlp="moe", num_experts=4, experts_per_token=2, normalize_expert_weights=True,
+                     intermediate_size=72)),
+    ("qwen3_moe", dict(mlp="moe", qk_norm=True, num_experts=4, experts_per_token=2, normalize_expert_weights=False,
+                       intermediate_size=40)),
     ("gpt2", dict(qkv_bias=True, o_bias=True, mlp_bias=True, norm="layer", positions="learned", mlp="plain",
                   max_positions=256, num_kv_heads=6, intermediate_size=200, hidden_act="gelu_new",
                   tie_word_embeddings=True)),
@@ -78,6 +83,8 @@ def test_flags_and_weight_mapping_cover_every_parameter(model_type, flags):
     ("llama", dict(hidden_act="swish_glu"), r"config.hidden_act = 'swish_glu' is not supported"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),
      r"gpt2: config.scale_attn_by_inverse_layer_idx = True is not supported by the static decoder \(only False\)"),
+    ("qwen3_moe", dict(mlp_only_layers=[0]), r"qwen3_moe: config.mlp_only_layers = \[0\] is not supported"),
+    ("mixtral", dict(num_experts_per_tok=5), r"mixtral: config.num_experts_per_tok = 5 must lie between 1 and .* \(4\)"),
     ("smollm3", dict(no_rope_layers=[1, 2, 1]), r"smollm3: config.no_rope_layers must hold one 0 or 1 per layer \(3\)"),
 ])
 def test_unsupported_config_features_are_refused(model_type, overrides, message):

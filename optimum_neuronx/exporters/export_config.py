@@ -160,7 +160,18 @@ class ExportConfig:
             **self._sliding_window(config, neuron_config),
             norm=self.norm, positions=self.positions, mlp=self.mlp,
             max_positions=config.max_position_embeddings if self.positions == "learned" else 0,
+            **self._experts(config),
         )
+
+    def _experts(self, config) -> dict:
+        if self.mlp != "moe":
+            return {}
+        experts, top_k = int(self.config_value(config, "num_experts")), int(config.num_experts_per_tok)
+        if not 0 < top_k <= experts:
+            raise ValueError(f"{self.model_type}: config.num_experts_per_tok = {top_k} must lie between 1 and the "
+                             f"number of experts ({experts}).")
+        return {"num_experts": experts, "experts_per_token": top_k,
+                "normalize_expert_weights": bool(self.config_value(config, "norm_topk_prob", True))}
 
     @staticmethod
     def _sliding_window(config, neuron_config: NeuronConfig) -> dict:
@@ -239,7 +250,7 @@ class ExportConfig:
             hf_names = self._sources(name)
             if hf_names is None:
                 continue  # derived buffers (RoPE frequencies)
-            if tensor.dim() == 3:  # a tiled projection weight [N / T, K, T]
+            if tensor.dim() == 3 and ".experts_" not in name:  # a tiled projection weight [N / T, K, T]
                 tensor = untile_weight(tensor)
             transposed = _LAYER_INDEX.sub("layers.{i}.", name) in self.transposed
             sizes = [hf_state[n].shape[-1 if transposed else 0] for n in hf_names]

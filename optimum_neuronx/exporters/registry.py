@@ -11,9 +11,11 @@ _EXPORT_CONFIG_MODULES = {
     "granite": "granite",
     "llama": "llama",
     "mistral": "mistral",
+    "mixtral": "mixtral",
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
     "smollm3": "smollm3",
 }
 

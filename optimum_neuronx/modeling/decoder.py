@@ -39,7 +39,7 @@ _ACTIVATIONS = {
 }
 NORMS = ("rms", "layer")  # RMSNorm; LayerNorm with a bias
 POSITIONS = ("rope", "learned")  # rotary; a learned table added to the token embeddings
-MLPS = ("gated", "plain")  # act(gate) * up -> down; act(up) -> down
+MLPS = ("gated", "plain", "moe")  # act(gate) * up -> down; act(up) -> down; a mixture of gated experts
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,11 @@ class DecoderSpec:
     positions: str = "rope"
     max_positions: int = 0
     mlp: str = "gated"
+    # Mixture of experts (mlp "moe"): `num_experts` gated MLPs of intermediate_size, each token routed to the top
+    # `experts_per_token` by a softmax router, their weights renormalized to sum to 1 where `normalize_expert_weights`.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    normalize_expert_weights: bool = True
 
     def kv_cache_shape(self, batch_size: int, sequence_length: int) -> tuple[int, ...]:
         """Shape of the KV cache, every layer's in one tensor."""
@@ -253,12 +258,17 @@ class DecoderLayer(nn.Module):
             self.q_norm = Weights((s.head_dim,), lead=lead, fill=1.0)
             self.k_norm = Weights((s.head_dim,), lead=lead, fill=1.0)
         self.post_attention_norm = Weights((s.hidden_size,), norm_bias, lead=lead, fill=1.0)
-        if s.mlp == "gated":
+        if s.mlp == "moe":  # every expert stored once, stacked: [experts, out, in]
+            self.router = Weights((s.num_experts, s.hidden_size), lead=lead)
+            self.experts_gate_up = Weights((s.num_experts, 2 * s.intermediate_size, s.hidden_size), lead=lead)
+            self.experts_down = Weights((s.num_experts, s.hidden_size, s.intermediate_size), lead=lead)
+        elif s.mlp == "gated":
             self.gate_up_proj = Weights((2 * s.intermediate_size, s.hidden_size), s.mlp_bias, lead,
                                         tile=tiles(2 * s.intermediate_size))
         else:
             self.up_proj = Weights((s.intermediate_size, s.hidden_size), s.mlp_bias, lead, tile=tiles(s.intermediate_size))
-        self.down_proj = Weights((s.hidden_size, s.intermediate_size), s.mlp_bias, lead, tile=tiles(s.hidden_size))
+        if s.mlp != "moe":
+            self.down_proj = Weights((s.hidden_size, s.intermediate_size), s.mlp_bias, lead, tile=tiles(s.hidden_size))
 
     def weights(self) -> dict[str, torch.Tensor]:
         return dict(self.named_parameters())
@@ -310,6 +320,8 @@ class DecoderLayer(nn.Module):
         h = h + _residual(proj(attn.reshape(B, T, s.num_heads * s.head_dim), "o_proj"), s.residual_multiplier)
 
         x = block_norm(h, "post_attention_norm")
+        if s.mlp == "moe":
+            return h + _residual(mixture_of_experts(x, w, s), s.residual_multiplier), new_kv
         if s.mlp == "plain":
             return h + _residual(proj(_ACTIVATIONS[s.hidden_act](proj(x, "up_proj")), "down_proj"),
                                  s.residual_multiplier), new_kv
@@ -320,6 +332,20 @@ class DecoderLayer(nn.Module):
             gate_up = gate_up.view(B, T, shards, 2, -1)
             gate, up = (gate_up[:, :, :, i].reshape(B, T, s.intermediate_size) for i in range(2))
         return h + _residual(proj(_ACTIVATIONS[s.hidden_act](gate) * up, "down_proj"), s.residual_multiplier), new_kv
+
+
+def mixture_of_experts(x: torch.Tensor, w: dict[str, torch.Tensor], s: DecoderSpec) -> torch.Tensor:
+    """Top-k routed gated experts with static shapes: every expert runs on every token and the router's weights
+    (zero outside a token's top k) mix their outputs, so no shape depends on the routing."""
+    probs = F.softmax(F.linear(x, w["router.weight"]).float(), dim=-1)  # [B, T, E]
+    top, index = probs.topk(s.experts_per_token, dim=-1)
+    if s.normalize_expert_weights:
+        top = top / top.sum(-1, keepdim=True)
+    experts = torch.arange(s.num_experts, device=x.device)
+    mix = ((index[..., None] == experts).to(top.dtype) * top[..., None]).sum(-2)  # [B, T, E], k non-zeros a row
+    gate, up = torch.einsum("bth,eoh->bteo", x, w["experts_gate_up.weight"]).chunk(2, dim=-1)
+    out = torch.einsum("btei,ehi->bteh", _ACTIVATIONS[s.hidden_act](gate) * up, w["experts_down.weight"])
+    return (out.float() * mix[..., None]).sum(2).to(x.dtype)
 
 
 class StaticDecoder(nn.Module):
