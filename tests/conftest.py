@@ -47,6 +47,14 @@ TINY_CONFIGS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=72),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
                       head_dim=32),
+    # Local layers with an 8-token window and their own RoPE, a global one with linear RoPE scaling; query scale
+    # not head_dim's; final logits soft-capped.
+    "gemma3_text": dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=20, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                            "factor": 4.0}},
+                        final_logit_softcapping=5.0),
     # The middle layer of three uses no position encoding (NoPE).
     "smollm3": dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1], tie_word_embeddings=False),
 }

@@ -99,7 +99,7 @@ def test_unknown_model_type(tmp_path):
     from transformers import BloomConfig
 
     BloomConfig(n_layer=1, hidden_size=32, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"model_type 'bloom' is not supported.*gpt2, granite, llama, mistral, phi3"):
+    with pytest.raises(ValueError, match=r"model_type 'bloom' is not supported.*gemma3_text, gpt2, granite, llama, mistral, mixtral"):
         NeuronModelForCausalLM.from_pretrained(tmp_path, export=True, sequence_length=32)
 
 

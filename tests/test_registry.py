@@ -19,12 +19,12 @@ def _config(model_type, **overrides):
 
 
 def test_supported_model_types():
-    assert supported_model_types() == ("gpt2", "granite", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3",
-                                       "qwen3_moe", "smollm3")
+    assert supported_model_types() == ("gemma3_text", "gpt2", "granite", "llama", "mistral", "mixtral", "phi3", "qwen2",
+                                       "qwen3", "qwen3_moe", "smollm3")
 
 
 def test_unknown_model_type_lists_supported():
-    with pytest.raises(ValueError, match=r"model_type 'bloom' is not supported.*Supported model types: gpt2, granite, "
+    with pytest.raises(ValueError, match=r"model_type 'bloom' is not supported.*Supported model types: gemma3_text, gpt2, granite, "
                                          r"llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe, smollm3"):
         get_export_config("bloom")
 
@@ -41,6 +41,9 @@ def test_unknown_model_type_lists_supported():
                      intermediate_size=72)),
     ("qwen3_moe", dict(mlp="moe", qk_norm=True, num_experts=4, experts_per_token=2, normalize_expert_weights=False,
                        intermediate_size=40)),
+    ("gemma3_text", dict(norm="gemma", sandwich_norms=True, qk_norm=True, sliding_window=8, sliding_layers=(0, 2),
+                         rope_local_layers=(0, 2), attention_multiplier=20**-0.5, embedding_multiplier=8.0,
+                         final_logit_softcapping=5.0, hidden_act="gelu_pytorch_tanh")),
     ("gpt2", dict(qkv_bias=True, o_bias=True, mlp_bias=True, norm="layer", positions="learned", mlp="plain",
                   max_positions=256, num_kv_heads=6, intermediate_size=200, hidden_act="gelu_new",
                   tie_word_embeddings=True)),
@@ -85,6 +88,8 @@ def test_flags_and_weight_mapping_cover_every_parameter(model_type, flags):
      r"gpt2: config.scale_attn_by_inverse_layer_idx = True is not supported by the static decoder \(only False\)"),
     ("qwen3_moe", dict(mlp_only_layers=[0]), r"qwen3_moe: config.mlp_only_layers = \[0\] is not supported"),
     ("mixtral", dict(num_experts_per_tok=5), r"mixtral: config.num_experts_per_tok = 5 must lie between 1 and .* \(4\)"),
+    ("gemma3_text", dict(attn_logit_softcapping=50.0),
+     r"gemma3_text: config.attn_logit_softcapping = 50.0 is not supported by the static decoder \(only None\)"),
     ("smollm3", dict(no_rope_layers=[1, 2, 1]), r"smollm3: config.no_rope_layers must hold one 0 or 1 per layer \(3\)"),
 ])
 def test_unsupported_config_features_are_refused(model_type, overrides, message):

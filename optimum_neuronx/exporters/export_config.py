@@ -59,9 +59,9 @@ class ExportConfig:
     mlp_bias: Flag = False
     qk_norm: bool = False
     weight_map: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_FAMILY_WEIGHTS)
-    # DecoderSpec scalar -> the config field it is read from (granite's multipliers); fields the family lacks
-    # keep the decoder's neutral value.
-    scalars: Mapping[str, str] = field(default_factory=dict)
+    # DecoderSpec scalar -> the config field it is read from (granite's multipliers), or a function of the config
+    # (gemma3's sqrt(hidden_size) embedding scale); fields the family lacks keep the decoder's neutral value.
+    scalars: Mapping[str, object] = field(default_factory=dict)
     # The config field listing, per layer, 1 where it applies RoPE and 0 where it uses no position encoding.
     rope_layers: str | None = None
     # The block's kinds (modeling.decoder NORMS, POSITIONS, MLPS).
@@ -73,6 +73,8 @@ class ExportConfig:
     config_fields: Mapping[str, str] = field(default_factory=dict)
     # Decoder parameters (weight_map templates) whose checkpoint tensors are stored transposed (gpt2's Conv1D).
     transposed: tuple[str, ...] = ()
+    # Norms on each branch's output too (gemma3).
+    sandwich_norms: bool = False
     # Config fields whose other values change the math in ways the decoder does not implement: field -> the value
     # it must have.
     required: Mapping[str, object] = field(default_factory=dict)
@@ -95,16 +97,16 @@ class ExportConfig:
                 raise ValueError(f"{self.model_type}: sequence_length = {neuron_config.sequence_length} is longer than "
                                  f"the model's learned position table (max_position_embeddings = {limit}): export "
                                  f"with sequence_length <= {limit}.")
-        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"{self.model_type}: config.rope_parameters['rope_type'] = {rope_type!r} is not supported by the "
-                f"static decoder; supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}."
-            )
-        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        if partial not in (None, 1.0):
-            raise ValueError(f"{self.model_type}: partial_rotary_factor = {partial} is not supported (only 1.0).")
+        for layer_type, rope in _rope_sets(config).items():
+            where = f"config.rope_parameters{f'[{layer_type!r}]' if layer_type else ''}"
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"{self.model_type}: {where}['rope_type'] = {rope_type!r} is not supported by the static decoder; "
+                    f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+            partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+            if partial not in (None, 1.0):
+                raise ValueError(f"{self.model_type}: partial_rotary_factor = {partial} is not supported (only 1.0).")
         layer_types = getattr(config, "layer_types", None) or ()
         unknown = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
         if unknown:
@@ -134,7 +136,15 @@ class ExportConfig:
     def decoder_spec(self, config, neuron_config: NeuronConfig) -> DecoderSpec:
         self.check_supported(config, neuron_config)
         rotary = self.positions == "rope"
-        inv_freq, attention_scaling = _rope_parameters(config) if rotary else ((), 1.0)
+        sets = _rope_sets(config)
+        global_type = "full_attention" if "full_attention" in sets else None
+        inv_freq, attention_scaling = _rope_parameters(config, global_type) if rotary else ((), 1.0)
+        local = {}
+        if rotary and "sliding_attention" in sets:  # gemma3: local layers rotate with their own frequencies
+            local_freq, local_scaling = _rope_parameters(config, "sliding_attention")
+            local = {"rope_local_inv_freq": tuple(float(x) for x in local_freq),
+                     "rope_local_attention_scaling": float(local_scaling),
+                     "rope_local_layers": tuple(i for i, t in enumerate(config.layer_types) if t == "sliding_attention")}
         long_rope = _long_rope_parameters(config) if rotary else {}
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return DecoderSpec(
@@ -154,7 +164,9 @@ class ExportConfig:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             rope_inv_freq=tuple(float(x) for x in inv_freq),
             rope_attention_scaling=float(attention_scaling),
-            **{name: float(getattr(config, source)) for name, source in self.scalars.items()},
+            **{name: float(source(config) if callable(source) else getattr(config, source))
+               for name, source in self.scalars.items()},
+            **local, sandwich_norms=self.sandwich_norms,
             nope_layers=self._nope_layers(config),
             **long_rope,
             **self._sliding_window(config, neuron_config),
@@ -280,8 +292,16 @@ def _long_rope_parameters(config) -> dict:
     return {"rope_long_inv_freq": tuple(float(x) for x in long_inv_freq), "rope_long_after": after}
 
 
-def _rope_parameters(config) -> tuple[torch.Tensor, float]:
-    rope = dict(getattr(config, "rope_parameters", None) or {})
+def _rope_sets(config) -> dict:
+    """The RoPE parameters by layer type ({None: ...} where one set serves every layer)."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return rope
+    return {None: rope}
+
+
+def _rope_parameters(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    rope = dict(_rope_sets(config).get(layer_type) or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -289,4 +309,6 @@ def _rope_parameters(config) -> tuple[torch.Tensor, float]:
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float(), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    return ROPE_INIT_FUNCTIONS[rope_type](config)
+    if layer_type is None:
+        return ROPE_INIT_FUNCTIONS[rope_type](config)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)

@@ -7,6 +7,7 @@ import importlib
 from .export_config import ExportConfig
 
 _EXPORT_CONFIG_MODULES = {
+    "gemma3_text": "gemma3",
     "gpt2": "gpt2",
     "granite": "granite",
     "llama": "llama",
@@ -20,12 +21,21 @@ _EXPORT_CONFIG_MODULES = {
 }
 
 
+# Model types close to a supported one, with what to do instead.
+_HINTS = {
+    "gemma3": "it is Gemma 3's vision-language model (Gemma3ForConditionalGeneration). Export a text checkpoint "
+              "(Gemma3ForCausalLM, model_type gemma3_text), e.g. google/gemma-3-1b-it.",
+}
+
+
 def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(_EXPORT_CONFIG_MODULES))
 
 
 def get_export_config(model_type: str) -> ExportConfig:
     module = _EXPORT_CONFIG_MODULES.get(model_type)
+    if model_type in _HINTS:
+        raise ValueError(f"model_type {model_type!r} is not supported by optimum-neuronx: {_HINTS[model_type]}")
     if module is None:
         raise ValueError(
             f"model_type {model_type!r} is not supported by optimum-neuronx. "

@@ -37,7 +37,7 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # gpt2's name for the same tanh approximation
 }
-NORMS = ("rms", "layer")  # RMSNorm; LayerNorm with a bias
+NORMS = ("rms", "layer", "gemma")  # RMSNorm; LayerNorm with a bias; RMSNorm scaled by 1 + weight, in float32
 POSITIONS = ("rope", "learned")  # rotary; a learned table added to the token embeddings
 MLPS = ("gated", "plain", "moe")  # act(gate) * up -> down; act(up) -> down; a mixture of gated experts
 
@@ -72,6 +72,14 @@ class DecoderSpec:
     logits_scaling: float = 1.0
     # Layers that use no position encoding (smollm3's NoPE layers): their queries and keys are not rotated.
     nope_layers: tuple[int, ...] = ()
+    # Layers rotated with other frequencies (gemma3's local, sliding-window layers) and those frequencies' scaling.
+    rope_local_layers: tuple[int, ...] = ()
+    rope_local_inv_freq: tuple[float, ...] = ()
+    rope_local_attention_scaling: float = 1.0
+    # Norms around each branch's output too (gemma3): attention output and MLP output normalized before the residual.
+    sandwich_norms: bool = False
+    # Final logits soft-capped: cap * tanh(logits / cap) (0: not).
+    final_logit_softcapping: float = 0.0
     # Sliding-window attention: the layers in `sliding_layers` attend only to keys fewer than `sliding_window`
     # positions before the query (0: no window).
     sliding_window: int = 0
@@ -203,6 +211,9 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind:
     Transformers' nn.LayerNorm computes it)."""
     if kind == "layer":
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    if kind == "gemma":
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
     return rms_norm(x, weight, eps)
 
 
@@ -229,6 +240,13 @@ class Weights(nn.Module):
         weight = torch.empty(*lead, *((shape[0] // tile, shape[1], tile) if tile else shape))
         self.weight = nn.Parameter(weight.fill_(fill) if fill is not None else nn.init.normal_(weight, std=0.02))
         self.bias = nn.Parameter(torch.zeros(*lead, shape[0])) if bias else None
+
+
+def _rotation(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """RoPE's cos and sin [B, T, 1, D] at `position_ids` for `inv_freq`."""
+    freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return ((emb.cos() * scaling).to(dtype)[:, :, None, :], (emb.sin() * scaling).to(dtype)[:, :, None, :])
 
 
 def _residual(x: torch.Tensor, multiplier: float) -> torch.Tensor:
@@ -258,6 +276,9 @@ class DecoderLayer(nn.Module):
             self.q_norm = Weights((s.head_dim,), lead=lead, fill=1.0)
             self.k_norm = Weights((s.head_dim,), lead=lead, fill=1.0)
         self.post_attention_norm = Weights((s.hidden_size,), norm_bias, lead=lead, fill=1.0)
+        if s.sandwich_norms:
+            self.attn_out_norm = Weights((s.hidden_size,), norm_bias, lead=lead, fill=1.0)
+            self.mlp_out_norm = Weights((s.hidden_size,), norm_bias, lead=lead, fill=1.0)
         if s.mlp == "moe":  # every expert stored once, stacked: [experts, out, in]
             self.router = Weights((s.num_experts, s.hidden_size), lead=lead)
             self.experts_gate_up = Weights((s.num_experts, 2 * s.intermediate_size, s.hidden_size), lead=lead)
@@ -301,7 +322,7 @@ class DecoderLayer(nn.Module):
         k = k.reshape(B, T, s.num_kv_heads, s.head_dim)
         v = v.reshape(B, T, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q, k = rms_norm(q, w["q_norm.weight"], s.rms_norm_eps), rms_norm(k, w["k_norm.weight"], s.rms_norm_eps)
+            q, k = block_norm(q, "q_norm"), block_norm(k, "k_norm")
         if cos is not None:  # rotary positions (learned ones were added to the embeddings)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
@@ -317,21 +338,28 @@ class DecoderLayer(nn.Module):
             window = kv_cache[:, :, :, :masks[0].shape[-1]]
             attn = kernels.window_attention(q, window, new_kv, masks[0], new_mask, scale, T)
         attn = attn.view(B, s.num_kv_heads, T, n_rep, s.head_dim).transpose(1, 2)
-        h = h + _residual(proj(attn.reshape(B, T, s.num_heads * s.head_dim), "o_proj"), s.residual_multiplier)
+        h = h + _residual(self._branch_out(proj(attn.reshape(B, T, s.num_heads * s.head_dim), "o_proj"), w,
+                                           "attn_out_norm"), s.residual_multiplier)
 
         x = block_norm(h, "post_attention_norm")
         if s.mlp == "moe":
-            return h + _residual(mixture_of_experts(x, w, s), s.residual_multiplier), new_kv
-        if s.mlp == "plain":
-            return h + _residual(proj(_ACTIVATIONS[s.hidden_act](proj(x, "up_proj")), "down_proj"),
-                                 s.residual_multiplier), new_kv
-        gate_up = proj(x, "gate_up_proj")
-        if shards == 1:
-            gate, up = gate_up.chunk(2, dim=-1)
+            out = mixture_of_experts(x, w, s)
+        elif s.mlp == "plain":
+            out = proj(_ACTIVATIONS[s.hidden_act](proj(x, "up_proj")), "down_proj")
         else:
-            gate_up = gate_up.view(B, T, shards, 2, -1)
-            gate, up = (gate_up[:, :, :, i].reshape(B, T, s.intermediate_size) for i in range(2))
-        return h + _residual(proj(_ACTIVATIONS[s.hidden_act](gate) * up, "down_proj"), s.residual_multiplier), new_kv
+            gate_up = proj(x, "gate_up_proj")
+            if shards == 1:
+                gate, up = gate_up.chunk(2, dim=-1)
+            else:
+                gate_up = gate_up.view(B, T, shards, 2, -1)
+                gate, up = (gate_up[:, :, :, i].reshape(B, T, s.intermediate_size) for i in range(2))
+            out = proj(_ACTIVATIONS[s.hidden_act](gate) * up, "down_proj")
+        return h + _residual(self._branch_out(out, w, "mlp_out_norm"), s.residual_multiplier), new_kv
+
+    def _branch_out(self, x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """A branch's output, normalized where the block has sandwich norms (gemma3)."""
+        s = self.spec
+        return norm(x, w[f"{name}.weight"], w.get(f"{name}.bias"), s.norm, s.rms_norm_eps) if s.sandwich_norms else x
 
 
 def mixture_of_experts(x: torch.Tensor, w: dict[str, torch.Tensor], s: DecoderSpec) -> torch.Tensor:
@@ -370,9 +398,9 @@ class StaticDecoder(nn.Module):
         if spec.rope_long_inv_freq:
             self.register_buffer("rope_long_inv_freq", torch.tensor(spec.rope_long_inv_freq, dtype=torch.float32,
                                                                     device="cpu"))
-        if spec.nope_layers:  # 1 where a layer rotates its queries and keys, 0 where it uses no position encoding
-            rotates = [0.0 if i in spec.nope_layers else 1.0 for i in range(spec.num_layers)]
-            self.register_buffer("rope_layers", torch.tensor(rotates, dtype=torch.float32, device="cpu"))
+        if spec.rope_local_inv_freq:
+            self.register_buffer("rope_local_inv_freq", torch.tensor(spec.rope_local_inv_freq, dtype=torch.float32,
+                                                                     device="cpu"))
         if self._mixed_windows:  # 1 where a layer attends through the sliding window, 0 where to every key
             sliding = [1.0 if i in spec.sliding_layers else 0.0 for i in range(spec.num_layers)]
             self.register_buffer("sliding_layer_flags", torch.tensor(sliding, dtype=torch.float32, device="cpu"))
@@ -433,10 +461,7 @@ class StaticDecoder(nn.Module):
             if self.spec.rope_long_inv_freq:  # one set for the whole call, picked by its largest position
                 inv_freq = torch.where(position_ids.max() + 1 > self.spec.rope_long_after, self.rope_long_inv_freq,
                                        inv_freq)
-            freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos = (emb.cos() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
-            sin = (emb.sin() * self.spec.rope_attention_scaling).to(dtype)[:, :, None, :]
+            cos, sin = _rotation(position_ids, inv_freq, self.spec.rope_attention_scaling, dtype)
 
         slots = cache_start + torch.arange(T, device=input_ids.device)  # [T]
         n_rep = self.spec.num_heads // self.spec.num_kv_heads
@@ -463,10 +488,16 @@ class StaticDecoder(nn.Module):
             if not self._mixed_windows:
                 masks, new_mask = window_masks
 
-        L, per_layer = self.spec.num_layers, bool(self.spec.nope_layers)
-        if per_layer:  # cos / sin per layer [L, B, T, 1, D]: NoPE layers get the identity rotation (cos 1, sin 0)
-            rotates = self.rope_layers.to(dtype).view(L, 1, 1, 1, 1)
-            cos, sin = cos * rotates + (1 - rotates), sin * rotates
+        L, per_layer = self.spec.num_layers, bool(self.spec.nope_layers or self.spec.rope_local_layers)
+        if per_layer:  # cos / sin per layer [L, B, T, 1, D]: NoPE layers the identity (cos 1, sin 0), local ones theirs
+            rotations = {"global": (cos, sin), "none": (torch.ones_like(cos), torch.zeros_like(sin))}
+            if self.spec.rope_local_layers:
+                rotations["local"] = _rotation(position_ids, self.rope_local_inv_freq,
+                                               self.spec.rope_local_attention_scaling, dtype)
+            kinds = ["none" if i in self.spec.nope_layers else "local" if i in self.spec.rope_local_layers
+                     else "global" for i in range(L)]
+            cos = torch.stack([rotations[kind][0] for kind in kinds])
+            sin = torch.stack([rotations[kind][1] for kind in kinds])
 
         mixed = self._mixed_windows
 
@@ -528,4 +559,7 @@ class StaticDecoder(nn.Module):
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
         logits = self.kernels.lm_head(h, weight, self.spec.tie_word_embeddings)
-        return (logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling).float()
+        if self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
+        cap = self.spec.final_logit_softcapping
+        return (torch.tanh(logits / cap) * cap if cap else logits).float()
