@@ -214,25 +214,31 @@ def isolated_compile_cache(tmp_path_factory):
             os.environ[name] = value
 
 
-def assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask):
+def assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask,
+                                        model_type: str = "llama"):
     """Teacher-forced logits of a bfloat16 export (a prompt, then 10 more tokens on its cache) against the float32
     reference: within twice what Transformers eager in bfloat16 strays from it, bfloat16's own rounding noise."""
     from transformers import AutoModelForCausalLM
 
-    eager_bf16 = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.bfloat16).eval()
+    eager_bf16 = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), dtype=torch.bfloat16).eval()
     continuation = torch.randint(3, 256, (input_ids.shape[0], 10), generator=torch.Generator().manual_seed(3))
     full_ids = torch.cat([input_ids, continuation], 1)
     full_mask = torch.cat([attention_mask, torch.ones_like(continuation)], 1)
     positions = slice(input_ids.shape[1] - 1, None)
+    # Positions from the mask, as generate passes them (a plain forward would count the padding too, which models with
+    # learned absolute positions, gpt2, see)
+    position_ids = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 1)
     with torch.no_grad():
-        fp32 = reference_model("llama")(input_ids=full_ids, attention_mask=full_mask).logits[:, positions]
-        eager = eager_bf16(input_ids=full_ids, attention_mask=full_mask).logits[:, positions].float()
+        fp32 = reference_model(model_type)(input_ids=full_ids, attention_mask=full_mask,
+                                           position_ids=position_ids).logits[:, positions]
+        eager = eager_bf16(input_ids=full_ids, attention_mask=full_mask, position_ids=position_ids).logits[:, positions]
+        eager = eager.float()
     first = model(input_ids=input_ids, attention_mask=attention_mask)
     steps = model(continuation, attention_mask=full_mask, past_key_values=first.past_key_values, logits_to_keep=0)
     ours = torch.cat([first.logits, steps.logits], 1)
     ours_error = (ours - fp32).abs().max().item()
     eager_error = (eager - fp32).abs().max().item()
-    print(f"bf16 vs fp32 reference: max |logit diff| ours {ours_error:.3f}, Transformers eager bf16 {eager_error:.3f}"
+    print(f"{model_type} bf16 vs fp32 reference: max |logit diff| ours {ours_error:.3f}, Transformers eager bf16 {eager_error:.3f}"
           f" (ours vs eager bf16: {(ours - eager).abs().max().item():.3f}; largest |logit| {fp32.abs().max():.1f})")
     assert ours_error <= 2 * eager_error + 1e-2
 

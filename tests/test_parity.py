@@ -100,6 +100,38 @@ def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, reference_
     assert_bf16_logits_within_tolerance(bf16_llama, tiny_checkpoint, reference_model, input_ids, attention_mask)
 
 
+@pytest.mark.parametrize("model_type", [a for a in ARCHITECTURES if a != "llama"])
+def test_bf16_logits_of_every_family_within_tolerance(model_type, tiny_checkpoint, reference_model, left_padded_batch):
+    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, batch_size=2,
+                                                   sequence_length=32, context_buckets=[16], token_buckets=[32],
+                                                   auto_cast_type="bf16")
+    input_ids, attention_mask = (t[1:] for t in left_padded_batch)
+    assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask,
+                                        model_type)
+
+
+def test_bf16_without_grouped_kv_heads_runs_unrolled_layers(tmp_path, left_padded_batch):
+    # As many KV heads as query heads (Llama-2, Phi-3-mini): AOTInductor's layer loop crashed the process at the first
+    # bfloat16 decode step; the inductor backend unrolls such models' layers.
+    from transformers import AutoModelForCausalLM
+
+    from optimum_neuronx.backends import get_backend
+
+    checkpoint = build_tiny_checkpoint("llama", tmp_path / "mha", num_key_value_heads=4)
+    model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, batch_size=1, sequence_length=32,
+                                                   context_buckets=[16], token_buckets=[32], auto_cast_type="bf16",
+                                                   compile_cache=False)
+    from transformers import AutoConfig
+
+    from optimum_neuronx.exporters import get_export_config
+
+    spec = get_export_config("llama").decoder_spec(AutoConfig.from_pretrained(checkpoint), model.neuron_config)
+    assert not get_backend("inductor").kernels(torch.bfloat16, 1).scans(spec)
+    input_ids, attention_mask = (t[2:] for t in left_padded_batch)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    assert_bf16_logits_within_tolerance(model, lambda _: checkpoint, lambda _: reference, input_ids, attention_mask)
+
+
 def test_bf16_logits_within_tolerance_with_heads_of_64(tmp_path, left_padded_batch, monkeypatch):
     # Heads of 64 (SmolLM2's, the 1.1B shape's): with avx512_bf16 decode attention reads the bfloat16 cache with
     # vdpbf16ps against the query rounded to bfloat16 (decode_attention.cpp, DenseRows); the tiny llama's heads of

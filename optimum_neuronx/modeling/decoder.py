@@ -119,6 +119,10 @@ class Kernels:
     # (modeling/sharding.py) and split per shard, so that each shard holds whole heads and whole MLP columns.
     shards: int = 1
 
+    def scans(self, spec: "DecoderSpec") -> bool:
+        """Whether the stacked layers of the decoder `spec` describes run as one `scan` loop (`scan_layers`)."""
+        return self.scan_layers
+
     def weight_tile_for(self, outputs: int) -> int:
         """The tile a projection weight of `outputs` outputs is stored in (modeling/layout.py); 0: plain."""
         return 0
@@ -510,7 +514,7 @@ class StaticDecoder(nn.Module):
                     None if new_mask is None else pick(window_masks[1], new_mask))
 
         stacked = isinstance(self.layers, DecoderLayer)
-        if stacked and self.kernels.scan_layers:
+        if stacked and self.kernels.scans(self.spec):
             # One loop over the stacked layers: the compiler traces, lowers and compiles one layer, not num_layers.
             layer = self.layers
             if per_layer or mixed:  # per-layer inputs ride along with the weights
@@ -531,7 +535,7 @@ class StaticDecoder(nn.Module):
                     return layer.step(weights, h, cos, sin, masks, new_mask, layer_cache)
 
                 h, new_kv = scan(body, h, (layer.weights(), kv_cache))
-        else:  # unrolled: one module per layer, or the stacked weights' slices (Kernels.scan_layers False)
+        else:  # unrolled: one module per layer, or the stacked weights' slices (Kernels.scans False)
             weights = self.layers.weights() if stacked else None
             new_kv = []
             for i in range(L):

@@ -62,6 +62,12 @@ class Lowering(Kernels):
         packed (past the dot kernel's rows), which happens per layer: a packed weight cannot be stacked or sliced."""
         return self.packed_rows <= self.dot_rows
 
+    def scans(self, spec) -> bool:
+        # AOTInductor (torch 2.14) builds token graphs of models without grouped KV heads (as many KV heads as query
+        # heads) whose layer loop corrupts the heap in bfloat16: their layers are unrolled instead (same math; compile
+        # time grows with the layers).
+        return self.scan_layers and spec.num_kv_heads < spec.num_heads
+
     def uses_dot_kernel(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether a projection of `rows` rows of `dtype` is `rows_matvec`."""
         return dtype in ROWS_MATVEC_DTYPES and rows <= self.dot_rows
