@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import tempfile
 import threading
@@ -352,10 +353,11 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                              commit_message=commit_message, create_pr=create_pr, include_weights=include_weights)
 
     # -- generation ---------------------------------------------------------------------------------
+    # Transformers' own, plus what its LongRoPE models (phi3) do: the step whose input passes the pretraining length
+    # re-encodes the whole sequence (cache dropped), so that every cached key is rotated with the long frequencies
+    # from then on. Wrapped: generate validates its keywords against this method's signature, which stays the base's.
+    @functools.wraps(GenerationMixin.prepare_inputs_for_generation)
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
-        """Transformers' own, plus what its LongRoPE models (phi3) do: the step whose input passes the pretraining
-        length re-encodes the whole sequence (cache dropped), so that every cached key is rotated with the long
-        frequencies from then on."""
         after = self._rope_long_after
         if after and input_ids.shape[1] >= after + 1:
             for name in ("cache", "past_key_values"):
