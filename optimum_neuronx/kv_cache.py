@@ -19,6 +19,8 @@ class StaticKVCache:
         # backend's own (Backend.new_kv_cache), e.g. a cache kept on a device.
         self.kv = kv if kv is not None else torch.zeros(spec.kv_cache_shape(batch_size, sequence_length), dtype=dtype)
         self.key_valid = torch.zeros(batch_size, sequence_length, dtype=torch.bool)
+        self.kv_slots = spec.cache_slots(sequence_length)
+        self.ring = self.kv_slots < sequence_length  # slot s kept at s mod kv_slots (DecoderSpec.window_cache)
 
     def valid_window(self, width: int) -> torch.Tensor:
         """`key_valid[:, :width]` as a fresh tensor with the strides a graph was compiled for (`contiguous()` keeps a
@@ -54,11 +56,16 @@ class CacheHandle:
     """
 
     is_compileable = False
-    is_croppable = True  # assisted generation rolls rejected draft tokens back with crop()
 
     def __init__(self, cache: StaticKVCache, length: int):
         self._cache = cache
         self.length = length
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether crop() can roll tokens back (assisted generation): not where the cache is a window ring, whose
+        older slots are overwritten (as Transformers' StaticSlidingWindowLayer)."""
+        return not self._cache.ring
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -72,6 +79,11 @@ class CacheHandle:
         end."""
         if max_length <= 0:
             max_length = self.length + max_length
+        if self._cache.ring and self.length > self._cache.kv_slots and max_length < self.length - 1:
+            raise ValueError(f"cannot roll the cache back from {self.length} to {max_length} tokens: this model's "
+                             f"cache keeps only the last {self._cache.kv_slots} (its sliding window), and the tokens "
+                             f"before were overwritten. Generate without assisted decoding, or export with "
+                             f"sequence_length <= sliding_window.")
         self.length = max(0, min(self.length, max_length))
         self._cache.key_valid[:, self.length:] = False
 

@@ -60,9 +60,10 @@ def _estimate(weight_bytes: int, kv_bytes: int, heads: int, kv_heads: int, neuro
 
 
 def estimate_memory(spec: DecoderSpec, neuron_config: NeuronConfig) -> MemoryEstimate:
+    import math
+
     size = neuron_config.torch_dtype.itemsize
-    kv = 2 * spec.num_layers * neuron_config.batch_size * neuron_config.sequence_length
-    kv *= spec.num_kv_heads * spec.head_dim * size
+    kv = math.prod(spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length)) * size
     return _estimate(parameter_count(spec) * size, kv, spec.num_heads, spec.num_kv_heads, neuron_config)
 
 

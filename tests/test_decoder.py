@@ -133,3 +133,36 @@ def test_exported_graph_holds_one_layer_whatever_the_layer_count(tokens, window,
     one, loops = exported_ops(1)
     assert loops == 1
     assert exported_ops(4) == (one, 1)
+
+
+@pytest.mark.parametrize("context, prompt", [(8, 6), (16, 14)], ids=["context-within-ring", "context-past-ring"])
+def test_window_ring_cache_computes_what_the_whole_cache_does(context, prompt):
+    # Every layer sliding a 10-token window: the ring of 10 slots (slot s at s mod 10) gives the logits of a cache of
+    # all 32 slots, through a left-padded, right-padded context and decode steps in windows narrower and wider
+    # than the ring.
+    import dataclasses
+
+    sequence, window = 32, 10
+    ring = _decoder(sliding_window=window)  # what the llama table makes of a window shorter than the sequence
+    assert ring.spec.window_cache and ring.spec.sliding_layers == tuple(range(ring.spec.num_layers))
+    full = StaticDecoder(dataclasses.replace(ring.spec, window_cache=False)).eval()
+    full.load_state_dict(ring.state_dict())
+    spec = full.spec
+    full_cache, ring_cache = (torch.zeros(d.spec.kv_cache_shape(2, sequence)) for d in (full, ring))
+    assert ring_cache.shape[4] == window
+    key_valid = torch.zeros(2, sequence, dtype=torch.bool)
+    key_valid[0, :prompt] = True
+    key_valid[1, 3:prompt] = True  # left padding
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, spec.vocab_size, (2, context), generator=generator)
+    positions = (key_valid[:, :context].long().cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        inputs = (ids, positions, torch.tensor([0]), key_valid[:, :context].clone(), torch.full((2,), prompt - 1))
+        torch.testing.assert_close(ring(*inputs, ring_cache), full(*inputs, full_cache))
+        for slot in range(prompt, sequence):
+            width = next(w for w in (8, 16, 32) if w > slot)
+            key_valid[:, slot] = True
+            step = (torch.randint(3, spec.vocab_size, (2, 1), generator=generator),
+                    key_valid[:, :slot + 1].sum(1, keepdim=True) - 1, torch.tensor([slot]),
+                    key_valid[:, :width].clone(), torch.zeros(2, dtype=torch.long))
+            torch.testing.assert_close(ring(*step, ring_cache), full(*step, full_cache), msg=f"slot {slot}")

@@ -436,13 +436,24 @@ def test_sliding_windows_shorter_than_the_sequence_match_eager(case, tmp_path, l
     model_type, overrides = SLIDING_WINDOW_CONFIGS[case]
     checkpoint = build_tiny_checkpoint(model_type, tmp_path / "checkpoint", **overrides)
     compiled = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, **TINY_EXPORT)
-    assert compiled.neuron_config.sequence_length > 12
+    nc = compiled.neuron_config
+    assert nc.sequence_length > 12
+    # every layer sliding: the cache is a ring of the window's 12 slots; some layers: every slot for all layers
+    assert compiled._cache.kv.shape[4] == (12 if case == "mistral-every-layer" else nc.sequence_length)
     input_ids, attention_mask = left_padded_batch
     result = compare_generation(AutoModelForCausalLM.from_pretrained(checkpoint).eval(), compiled, input_ids,
                                 attention_mask, max_new_tokens=45, min_new_tokens=45)
     print(f"{case}: {result.summary()}")
     assert result.max_logit_diff < LOGIT_TOLERANCE, result
     assert result.tokens_match, result
+    if case == "mistral-every-layer":  # past the window a ring cannot roll back: assisted decoding is refused
+        with pytest.raises(ValueError, match="Assisted decoding requires a cache that can be cropped"):
+            compiled.generate(input_ids[2:], prompt_lookup_num_tokens=3, max_new_tokens=4)
+        handle = compiled._handle  # the assisted generate's prompt: 14 tokens, 2 of them past the ring
+        handle.crop(-1)  # one token back: its slot is rewritten by the next step
+        with pytest.raises(ValueError, match=r"cannot roll the cache back from \d+ to \d+ tokens: .* only the last "
+                                             r"12 \(its sliding window\)"):
+            handle.crop(-2)
 
 
 def test_dropping_a_model_frees_its_weights(saved_tiny_llama):

@@ -123,6 +123,22 @@ def test_memory_plan_for_a_1b_llama():
         check_fits_neuron_cores(big_estimate)
 
 
+def test_memory_plan_counts_a_window_only_cache(tmp_path, capsys):
+    # Mistral-7B-v0.1's 4096-token window on every layer: at 16384 tokens its cache holds 4096 slots per layer
+    from optimum_neuronx.commands.estimate import main
+
+    config = AutoConfig.for_model("mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                  max_position_embeddings=32768, sliding_window=4096)
+    neuron_config = NeuronConfig(batch_size=1, sequence_length=16384, auto_cast_type="bf16", tp_degree=8)
+    spec = get_export_config("mistral").decoder_spec(config, neuron_config)
+    assert spec.window_cache and spec.kv_cache_shape(1, 16384) == (32, 2, 1, 8, 4096, 128)
+    assert estimate_memory(spec, neuron_config).kv_cache_bytes == 2 * 32 * 4096 * 8 * 128 * 2  # 0.5 GiB, not 2
+    config.save_pretrained(tmp_path / "mistral")
+    assert main(["--model", str(tmp_path / "mistral"), "--sequence_length", "16384", "--auto_cast_type", "bf16"]) == 0
+    assert "KV cache:      0.50 GiB" in capsys.readouterr().out
+
+
 def test_longrope_needs_a_context_bucket_past_its_switch():
     config = _config("phi3")
     with pytest.raises(ValueError, match=r"phi3: LongRoPE switches .* past original_max_position_embeddings = 32.*"

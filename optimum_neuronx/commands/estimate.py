@@ -22,14 +22,19 @@ def run_estimate(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from ..configuration import GIB, NeuronConfig
-    from ..memory import estimate_memory_from_config
+    from ..exporters import supported_model_types, get_export_config
+    from ..memory import estimate_memory, estimate_memory_from_config
 
     try:
         neuron_config = NeuronConfig(batch_size=args.batch_size, sequence_length=args.sequence_length,
                                      auto_cast_type=args.auto_cast_type, tp_degree=args.num_cores,
                                      instance_type=args.instance_type, backend="neuron")
         config = AutoConfig.from_pretrained(args.model, **({"revision": args.revision} if args.revision else {}))
-        estimate = estimate_memory_from_config(config, neuron_config)
+        if config.model_type in supported_model_types():  # the decoder this export builds (a window-only cache)
+            estimate = estimate_memory(get_export_config(config.model_type).decoder_spec(config, neuron_config),
+                                       neuron_config)
+        else:
+            estimate = estimate_memory_from_config(config, neuron_config)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

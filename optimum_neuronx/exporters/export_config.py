@@ -197,7 +197,9 @@ class ExportConfig:
                        if layer_types is None or layer_types[i] == "sliding_attention")
         if not layers or window >= neuron_config.sequence_length:
             return {}
-        return {"sliding_window": int(window), "sliding_layers": layers}
+        # Every layer sliding: the cache holds the window only. Some layers sliding: it holds every slot for all.
+        return {"sliding_window": int(window), "sliding_layers": layers,
+                "window_cache": len(layers) == config.num_hidden_layers}
 
     def _nope_layers(self, config) -> tuple[int, ...]:
         if self.rope_layers is None:

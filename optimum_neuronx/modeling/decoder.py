@@ -1,4 +1,4 @@
-"""One static-shape decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), in plain PyTorch.
+"""One static-shape decoder for every supported family (DecoderSpec holds what they differ on), in plain PyTorch.
 
 A single forward serves both graphs:
 
@@ -11,7 +11,8 @@ A single forward serves both graphs:
 The T new tokens are written at cache slots cache_start .. cache_start + T - 1 of the preallocated cache
 `kv_cache[layers, 2 (k/v), B, kv_heads, S, head_dim]`, all layers with one in-place write after the last layer;
 each layer's attention reads slots 0 .. W - 1 of its cache as they were before the step, and its new tokens'
-K and V beside them. Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal). The
+K and V beside them (where the cache is a window ring, `DecoderSpec.window_cache`, slot s lives at s mod the
+ring's length). Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal). The
 layers' weights are stacked along a leading layer axis and run as one loop (`torch._higher_order_ops.scan`), so a
 compiler sees one layer. Only the hidden state at `last_index` goes through the final norm and the LM head.
 
@@ -84,6 +85,9 @@ class DecoderSpec:
     # positions before the query (0: no window).
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
+    # Every layer slides a window shorter than the sequence: the cache holds only the last `sliding_window` slots,
+    # slot s at s mod sliding_window (a ring), instead of the whole sequence.
+    window_cache: bool = False
     # The block's kinds (NORMS, POSITIONS, MLPS); `max_positions`: the learned position table's size.
     norm: str = "rms"
     positions: str = "rope"
@@ -95,9 +99,13 @@ class DecoderSpec:
     experts_per_token: int = 0
     normalize_expert_weights: bool = True
 
+    def cache_slots(self, sequence_length: int) -> int:
+        """The slots the KV cache holds per layer: the window where it is a ring (`window_cache`), else all."""
+        return min(sequence_length, self.sliding_window) if self.window_cache else sequence_length
+
     def kv_cache_shape(self, batch_size: int, sequence_length: int) -> tuple[int, ...]:
         """Shape of the KV cache, every layer's in one tensor."""
-        return (self.num_layers, 2, batch_size, self.num_kv_heads, sequence_length, self.head_dim)
+        return (self.num_layers, 2, batch_size, self.num_kv_heads, self.cache_slots(sequence_length), self.head_dim)
 
 
 class Kernels:
@@ -467,24 +475,31 @@ class StaticDecoder(nn.Module):
                                        inv_freq)
             cos, sin = _rotation(position_ids, inv_freq, self.spec.rope_attention_scaling, dtype)
 
-        slots = cache_start + torch.arange(T, device=input_ids.device)  # [T]
+        dev = input_ids.device
+        slots = cache_start + torch.arange(T, device=dev)  # [T]
         n_rep = self.spec.num_heads // self.spec.num_kv_heads
+        # A key's position is its rank among the row's real slots (positions count real tokens only).
+        key_positions = key_valid.long().cumsum(1) - 1  # [B, W]
+        ring = kv_cache.shape[4]  # the slots the cache holds: fewer than W only where it is a window ring
         if T == W:  # a context graph: the window is its tokens, from slot 0
-            key_slots = torch.arange(W, device=input_ids.device)
+            key_slots = torch.arange(W, device=dev)
             allowed = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[None, None, :, None])
             fresh = None
         else:
             # The cache's slots from cache_start on hold stale K/V until the write after the layers: the new tokens
             # are attended to from new_kv instead, causally among themselves.
-            cached = key_valid & (torch.arange(W, device=input_ids.device) < cache_start)  # [B, W]
-            allowed = cached[:, None, None, :].expand(B, 1, T, W)
-            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+            if ring < W:  # ring slot j holds the latest slot before cache_start that is j modulo the ring
+                held = cache_start - 1 - torch.remainder(cache_start - 1 - torch.arange(ring, device=dev), ring)
+                cached = key_valid.index_select(1, held.clamp(min=0)) & (held >= 0)  # [B, ring]
+                key_positions = key_positions.index_select(1, held.clamp(min=0))
+            else:
+                cached = key_valid & (torch.arange(W, device=dev) < cache_start)  # [B, W]
+            allowed = cached[:, None, None, :].expand(B, 1, T, cached.shape[1])
+            causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
             fresh = key_valid.index_select(1, slots)[:, None, None, :] & causal  # [B, 1, T, T]
         masks, new_mask = self._masks(allowed, fresh, dtype, n_rep)
         sliding = self.spec.sliding_window and self.spec.sliding_layers
         if sliding:
-            # A key's position is its rank among the row's real slots (positions count real tokens only).
-            key_positions = key_valid.long().cumsum(1) - 1  # [B, W]
             near = (position_ids[:, None, :, None] - key_positions[:, None, None, :]) < self.spec.sliding_window
             near_fresh = None if fresh is None else (
                 (position_ids[:, None, :, None] - position_ids[:, None, None, :]) < self.spec.sliding_window)
@@ -549,6 +564,13 @@ class StaticDecoder(nn.Module):
             new_kv = torch.stack(new_kv)
 
         # One write on the whole cache for every layer's K and V: writes through views would copy the cache.
+        if self.spec.window_cache and T > ring:  # a context longer than the ring: slot j of the ring gets the
+            # latest real token that is j modulo the ring (the tokens after last_index are padding)
+            last = last_index[:1]
+            kept = (last - torch.remainder(last - torch.arange(ring, device=dev), ring)).clamp(min=0)
+            new_kv, slots, T = new_kv.index_select(4, kept), torch.arange(ring, device=dev), ring
+        elif self.spec.window_cache:
+            slots = torch.remainder(slots, ring)
         dev = kv_cache.device
         index = (
             torch.arange(L, device=dev).view(L, 1, 1, 1, 1),
