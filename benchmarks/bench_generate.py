@@ -5,6 +5,7 @@ machine's memory-bandwidth bound.
 
     python benchmarks/bench_generate.py --quick     # SmolLM2 fp32, batch 1, 128-token prompt (2 cores: 3-5 min)
     python benchmarks/bench_generate.py             # + bf16, batch 4, 512-token prompts, TinyLlama-1.1B shape
+    python benchmarks/bench_generate.py --models granite-230m-shape qwen3-moe-400m-shape  # other families (SHAPES)
 
 Each (model, dtype, system, batch size) runs in its own subprocess, so peak RSS is per system and batch size; the
 batch sizes of one system take turns, one phase at a time, so their decode repeats alternate and the ratio between
@@ -57,6 +58,22 @@ PROBE_REQUEST = "@@bandwidth-probe"
 TURN_REQUEST = "@@turn"
 TINYLLAMA_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+# Random-weight models of a family's architecture at a size this benchmark runs in minutes: model_type, config.
+SHAPES = {
+    "tinyllama-1.1b-shape": ("llama", TINYLLAMA_SHAPE),
+    # Granite's multipliers, 230M parameters (16 layers, GQA 16/4, tied embeddings)
+    "granite-230m-shape": ("granite", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                                           num_attention_heads=16, num_key_value_heads=4, vocab_size=49155,
+                                           tie_word_embeddings=True, embedding_multiplier=12.0,
+                                           residual_multiplier=0.22, attention_multiplier=0.015625,
+                                           logits_scaling=8.0, max_position_embeddings=4096)),
+    # Qwen3-MoE, 400M parameters of which 86M active: 32 experts a layer, top 4
+    "qwen3-moe-400m-shape": ("qwen3_moe", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                               num_key_value_heads=4, head_dim=64, num_experts=32,
+                                               num_experts_per_tok=4, moe_intermediate_size=384,
+                                               intermediate_size=3072, vocab_size=32000, norm_topk_prob=True,
+                                               tie_word_embeddings=False, max_position_embeddings=4096)),
+}
 
 
 # -- models -----------------------------------------------------------------------------------------------
@@ -65,12 +82,13 @@ def model_checkpoint(name: str, work: Path) -> Path:
         from optimum_neuronx.utils.smollm2 import convert_smollm2
 
         return convert_smollm2(work / "smollm2")
-    directory = work / "tinyllama-1.1b-shape"
+    directory = work / name
     if not (directory / "config.json").exists():
-        from transformers import AutoModelForCausalLM, LlamaConfig
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        model_type, shape = SHAPES[name]
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(LlamaConfig(**TINYLLAMA_SHAPE)).save_pretrained(directory)
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape)).save_pretrained(directory)
     return directory
 
 
@@ -502,6 +520,9 @@ def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_
     kv = 2 * spec.num_layers * batch_size * cached_tokens * spec.num_kv_heads * spec.head_dim * size
     # An untied embedding table is only gathered from (one row per token), not streamed.
     gathered = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
+    if spec.mlp == "moe":  # a step reads the experts its tokens pick, at most batch_size * top-k of them a layer
+        unread = spec.num_experts - min(spec.num_experts, batch_size * spec.experts_per_token)
+        gathered += unread * 3 * spec.intermediate_size * spec.hidden_size * spec.num_layers
     return (parameter_count(spec) - gathered) * size + kv
 
 
@@ -518,7 +539,8 @@ def environment() -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="SmolLM2, fp32, batch 1, 128-token prompt")
-    parser.add_argument("--models", nargs="+", default=["smollm2", "tinyllama-1.1b-shape"])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "tinyllama-1.1b-shape"],
+                        choices=["smollm2", *SHAPES])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)

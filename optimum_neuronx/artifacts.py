@@ -109,6 +109,22 @@ def write_neuron_config(
     return meta
 
 
+def _source_repo(meta) -> str | None:
+    """The Hub checkpoint an export's weights come from, as its metadata names it (None if none)."""
+    source = meta.get("source") if isinstance(meta, dict) else None
+    repo_id = source.get("repo_id") if isinstance(source, dict) else None
+    return repo_id if isinstance(repo_id, str) else None
+
+
+def weights_source(directory: str | Path) -> str | None:
+    """`_source_repo` of the export in `directory`, read leniently: None where its metadata is unreadable (then
+    `read_artifact` says why)."""
+    try:
+        return _source_repo(_read_json(Path(directory) / NEURON_CONFIG_NAME))
+    except (OSError, ValueError):
+        return None
+
+
 def read_artifact(directory: str | Path, check_digests: bool = False,
                   optional: tuple[str, ...] = ()) -> tuple[NeuronConfig, dict]:
     """Validate an exported directory and return its NeuronConfig and metadata, or raise ArtifactError.
@@ -147,9 +163,9 @@ def read_artifact(directory: str | Path, check_digests: bool = False,
         if not path.is_file():
             if name in optional:
                 continue
-            if name == WEIGHTS_NAME and (meta.get("source") or {}).get("repo_id"):
+            if name == WEIGHTS_NAME and _source_repo(meta):
                 raise ArtifactError(f"{directory} has no {name}: it was pushed without its weights, which come from "
-                                    f"{meta['source']['repo_id']}. Load it with NeuronModelForCausalLM.from_pretrained"
+                                    f"{_source_repo(meta)}. Load it with NeuronModelForCausalLM.from_pretrained"
                                     f"(repo_id), which fetches and checks them.")
             raise ArtifactError(f"{directory} is missing {name}. {redo}")
         size = path.stat().st_size

@@ -19,8 +19,9 @@ class StaticKVCache:
         # backend's own (Backend.new_kv_cache), e.g. a cache kept on a device.
         self.kv = kv if kv is not None else torch.zeros(spec.kv_cache_shape(batch_size, sequence_length), dtype=dtype)
         self.key_valid = torch.zeros(batch_size, sequence_length, dtype=torch.bool)
-        self.kv_slots = spec.cache_slots(sequence_length)
-        self.ring = self.kv_slots < sequence_length  # slot s kept at s mod kv_slots (DecoderSpec.window_cache)
+        # Sliding layers that keep only their window (DecoderSpec.cache_places): slot s at s mod kv_slots.
+        self.ring = bool(spec.cache_places)
+        self.kv_slots = spec.sliding_window if self.ring else sequence_length
 
     def valid_window(self, width: int) -> torch.Tensor:
         """`key_valid[:, :width]` as a fresh tensor with the strides a graph was compiled for (`contiguous()` keeps a

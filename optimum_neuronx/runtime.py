@@ -23,11 +23,11 @@ from transformers import (
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .artifacts import (WEIGHTS_NAME, ArtifactError, atomic_directory, compiled_code_problem, copy_artifact_files,
-                        export_identity, read_artifact)
+                        export_identity, read_artifact, weights_source)
 from .backends import get_backend
 from .buckets import context_bucket, token_bucket
 from .cache import CompileCache
-from .configuration import NEURON_CONFIG_NAME, GraphSpec, NeuronConfig, canonical_dtype
+from .configuration import GraphSpec, NeuronConfig, canonical_dtype
 from .exporters.registry import get_export_config
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
 from .modeling.decoder import StaticDecoder
@@ -207,7 +207,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         _warn_ignored("from_pretrained", {k: v for k, v in kwargs.items() if k not in DOWNLOAD_KWARGS})
         artifact_dir, downloaded = _resolve_artifact_dir(model_id, kwargs)
         cache = CompileCache(compile_cache_dir, compile_cache_repo, kwargs.get("token"))
-        if not (artifact_dir / WEIGHTS_NAME).exists() and _weights_source(artifact_dir):
+        if not (artifact_dir / WEIGHTS_NAME).exists() and weights_source(artifact_dir):
             artifact_dir, downloaded = _with_source_weights(artifact_dir, cache, kwargs), True
         model = cls._from_trusted_artifact(artifact_dir, downloaded, trust_remote_code,
                                            cache if compile_cache else None, huge_pages)
@@ -578,17 +578,6 @@ def _hub_kwargs(kwargs: dict) -> dict:
     """The Transformers loading keywords among from_pretrained's (for reading a checkpoint's config)."""
     return {k: kwargs[k] for k in ("subfolder", "cache_dir", "trust_remote_code", "local_files_only",
                                    "force_download") if k in kwargs}
-
-
-def _weights_source(artifact_dir: Path) -> Optional[str]:
-    """The Hub checkpoint an export's weights come from, as its neuron_config.json names it (None if none)."""
-    import json
-
-    try:
-        source = json.loads((artifact_dir / NEURON_CONFIG_NAME).read_text()).get("source") or {}
-        return source.get("repo_id") if isinstance(source.get("repo_id"), str) else None
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def _with_source_weights(artifact_dir: Path, cache: CompileCache, kwargs: dict) -> Path:

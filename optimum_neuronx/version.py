@@ -1,4 +1,5 @@
 __version__ = "0.1.0"
 
 # Bumped whenever the layout of an exported directory changes; older artifacts are refused.
-ARTIFACT_FORMAT_VERSION = 4  # 2: layers stacked; 3: every file's sha256; 4: weights renamed, source recorded
+# 2: layers stacked; 3: every file's sha256; 4: weights renamed, source recorded; 5: window-only KV caches
+ARTIFACT_FORMAT_VERSION = 5

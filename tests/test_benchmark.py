@@ -248,3 +248,19 @@ def test_weights_huge_page_share_spans_every_loaded_weight(bench, saved_tiny_lla
     assert bench.weights_huge_page_share(model) == 0.25
     weights = [w for w in model._weights.values() if w.numel()]
     assert spans == [(min(w.data_ptr() for w in weights), max(w.data_ptr() + w.nbytes for w in weights))]
+
+
+def test_family_shapes_are_exportable_and_a_moe_step_reads_its_chosen_experts(bench, tmp_path):
+    # every preset is a config our export accepts; a decode step of the MoE preset streams top-4 of 32 experts a row
+    from transformers import AutoConfig
+
+    from optimum_neuronx import NeuronConfig
+    from optimum_neuronx.exporters import get_export_config
+
+    for name, (model_type, shape) in bench.SHAPES.items():
+        AutoConfig.for_model(model_type, **shape).save_pretrained(tmp_path / name)
+        get_export_config(model_type).decoder_spec(AutoConfig.from_pretrained(tmp_path / name), NeuronConfig())
+    moe = tmp_path / "qwen3-moe-400m-shape"
+    expert = 3 * 384 * 768 * 4 * 12  # one expert's fp32 bytes over the 12 layers
+    one, eight = (bench.bytes_per_decode_step(moe, "fp32", batch, 128) for batch in (1, 8))
+    assert eight - one == 28 * expert + 7 * 2 * 12 * 128 * 4 * 64 * 4  # 28 more experts read, and 7 rows' KV

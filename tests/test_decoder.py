@@ -14,12 +14,12 @@ from optimum_neuronx.modeling.decoder import StaticDecoder
 SEQUENCE = 16
 
 
-def _decoder(lowering: Lowering = Lowering(), **overrides) -> StaticDecoder:
+def _decoder(lowering: Lowering = Lowering(), sequence: int = SEQUENCE, **overrides) -> StaticDecoder:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model("llama", **{**TINY_COMMON, **TINY_CONFIGS["llama"], **overrides})
     spec = get_export_config("llama").decoder_spec(config, NeuronConfig(
-        sequence_length=SEQUENCE, context_buckets=[8], token_buckets=[SEQUENCE]))
+        sequence_length=sequence, context_buckets=[8], token_buckets=[sequence]))
     torch.manual_seed(0)
     decoder = StaticDecoder(spec, lowering).eval()
     for name, parameter in decoder.named_parameters():
@@ -135,21 +135,33 @@ def test_exported_graph_holds_one_layer_whatever_the_layer_count(tokens, window,
     assert exported_ops(4) == (one, 1)
 
 
+RING_LAYOUTS = {
+    # every layer sliding: a ring of 10 slots per layer
+    "every-layer": (None, ((0, 0, 10), (1, 0, 10))),
+    # layer 1 full: a row of all 32 slots; the three sliding layers' rings side by side in one row (3 fit in 32)
+    "some-layers": (["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+                    ((1, 0, 10), (0, 0, 32), (1, 10, 10), (1, 20, 10))),
+}
+
+
+@pytest.mark.parametrize("layout", RING_LAYOUTS)
 @pytest.mark.parametrize("context, prompt", [(8, 6), (16, 14)], ids=["context-within-ring", "context-past-ring"])
-def test_window_ring_cache_computes_what_the_whole_cache_does(context, prompt):
-    # Every layer sliding a 10-token window: the ring of 10 slots (slot s at s mod 10) gives the logits of a cache of
-    # all 32 slots, through a left-padded, right-padded context and decode steps in windows narrower and wider
-    # than the ring.
+def test_window_ring_cache_computes_what_the_whole_cache_does(context, prompt, layout):
+    # Sliding layers keeping only their 10-token window (slot s at s mod 10) give the logits of a cache of all 32
+    # slots, through a left-padded, right-padded context and decode steps in windows narrower and wider than the
+    # ring.
     import dataclasses
 
     sequence, window = 32, 10
-    ring = _decoder(sliding_window=window)  # what the llama table makes of a window shorter than the sequence
-    assert ring.spec.window_cache and ring.spec.sliding_layers == tuple(range(ring.spec.num_layers))
-    full = StaticDecoder(dataclasses.replace(ring.spec, window_cache=False)).eval()
+    layer_types, places = RING_LAYOUTS[layout]
+    overrides = dict(num_hidden_layers=len(layer_types), layer_types=layer_types) if layer_types else {}
+    ring = _decoder(sequence=sequence, sliding_window=window, **overrides)  # what the llama table makes of it
+    assert ring.spec.cache_places == places
+    full = StaticDecoder(dataclasses.replace(ring.spec, cache_places=())).eval()
     full.load_state_dict(ring.state_dict())
     spec = full.spec
     full_cache, ring_cache = (torch.zeros(d.spec.kv_cache_shape(2, sequence)) for d in (full, ring))
-    assert ring_cache.shape[4] == window
+    assert ring_cache.numel() < full_cache.numel()
     key_valid = torch.zeros(2, sequence, dtype=torch.bool)
     key_valid[0, :prompt] = True
     key_valid[1, 3:prompt] = True  # left padding
@@ -166,3 +178,21 @@ def test_window_ring_cache_computes_what_the_whole_cache_does(context, prompt):
                     key_valid[:, :slot + 1].sum(1, keepdim=True) - 1, torch.tensor([slot]),
                     key_valid[:, :width].clone(), torch.zeros(2, dtype=torch.long))
             torch.testing.assert_close(ring(*step, ring_cache), full(*step, full_cache), msg=f"slot {slot}")
+
+
+def test_experts_gathered_for_few_tokens_compute_what_every_expert_mixed_does():
+    # One token picking 2 of 8 experts runs those 2 experts' gathered weights; 8 tokens run every expert, mixed.
+    import dataclasses
+
+    from optimum_neuronx.modeling.decoder import mixture_of_experts
+
+    spec = dataclasses.replace(_decoder().spec, mlp="moe", num_experts=8, experts_per_token=2, intermediate_size=24)
+    generator = torch.Generator().manual_seed(0)
+    hidden = spec.hidden_size
+    weights = {"router.weight": torch.randn(8, hidden, generator=generator),
+               "experts_gate_up.weight": torch.randn(8, 48, hidden, generator=generator) * 0.1,
+               "experts_down.weight": torch.randn(8, hidden, 24, generator=generator) * 0.1}
+    x = torch.randn(1, 8, hidden, generator=generator)
+    every_expert = mixture_of_experts(x, weights, spec)  # 8 tokens x 2 >= 8 experts: all run
+    for t in range(8):
+        torch.testing.assert_close(mixture_of_experts(x[:, t:t + 1], weights, spec), every_expert[:, t:t + 1])

@@ -55,10 +55,10 @@ def test_greedy_generation_matches_transformers_across_buckets(neuron_model, ref
     assert result.tokens_match and result.max_logit_diff < 1e-4
 
 
-@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("model_type", [a for a in ARCHITECTURES if a != "llama"])
-def test_every_architecture_matches_transformers(tiny_checkpoint, reference_model, model_type, tp):
-    # mistral, qwen2 (qkv bias, tied embeddings: the LM head is the embedding table), qwen3 (q/k norm, head_dim 32)
+def test_every_architecture_matches_transformers(tiny_checkpoint, reference_model, model_type):
+    # float32 on 2 devices (every family's sharded layout); one device runs each family in bfloat16 below
+    tp = 2
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, num_cores=tp,
                                                    **tiny_export(model_type, backend="neuron"))
     result = _compare(model, reference_model(model_type))
@@ -76,6 +76,17 @@ def test_sliding_windows_match_transformers(case, tp, tmp_path):
     model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, num_cores=tp, **NEURON_EXPORT)
     result = _compare(model, AutoModelForCausalLM.from_pretrained(checkpoint).eval())
     print(f"{case} tp_degree={tp}: {result.summary()}")
+    assert result.tokens_match and result.max_logit_diff < 1e-4
+
+
+def test_one_sequence_gathers_its_experts_across_devices(tiny_checkpoint, reference_model):
+    # batch 1, top 2 of 4 experts: each decode step gathers its experts' weights, sharded over 2 devices
+    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("qwen3_moe"), export=True, num_cores=2,
+                                                   **tiny_export("qwen3_moe", backend="neuron", batch_size=1))
+    input_ids, attention_mask = left_padded_prompts([14], seed=4)
+    result = compare_generation(reference_model("qwen3_moe"), model, input_ids, attention_mask, max_new_tokens=30,
+                                min_new_tokens=30)
+    print(f"qwen3_moe batch 1 tp_degree=2: {result.summary()}")
     assert result.tokens_match and result.max_logit_diff < 1e-4
 
 
@@ -190,6 +201,16 @@ def test_bf16_export_is_within_bf16_noise(tiny_checkpoint, reference_model):
                                                    **NEURON_EXPORT)
     input_ids, attention_mask = left_padded_prompts([16, 11, 5], seed=5)
     assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask)
+
+
+@pytest.mark.parametrize("model_type", [a for a in ARCHITECTURES if a != "llama"])
+def test_bf16_logits_of_every_family_within_bf16_noise(model_type, tiny_checkpoint, reference_model):
+    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, backend="neuron",
+                                                   batch_size=2, sequence_length=32, context_buckets=[16],
+                                                   token_buckets=[32], auto_cast_type="bf16")
+    input_ids, attention_mask = left_padded_prompts([14, 9], seed=5)
+    assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask,
+                                        model_type)
 
 
 def test_cli_export_and_verify(tiny_checkpoint, tmp_path):

@@ -8,8 +8,8 @@ import weakref
 import pytest
 import torch
 
-from conftest import (ARCHITECTURES, SLIDING_WINDOW_CONFIGS, TINY_EXPORT, assert_bf16_logits_within_tolerance, build_tiny_checkpoint, left_padded_prompts,
-                      tune)
+from conftest import (ARCHITECTURES, SLIDING_WINDOW_CONFIGS, TINY_EXPORT, assert_bf16_logits_within_tolerance,
+                      build_tiny_checkpoint, left_padded_prompts, tiny_export, tune)
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
 
@@ -30,6 +30,8 @@ def test_greedy_batch_crosses_token_bucket(model_type, reference_model, compiled
     assert result.new_tokens == new_tokens
     assert result.max_logit_diff < LOGIT_TOLERANCE, result
     assert result.tokens_match, result
+    if model_type == "gemma3_text":  # two 8-token local layers' rings share one row of 64 slots beside the global layer
+        assert compiled_model(model_type)._cache.kv.shape[0] == 2
 
 
 # phi3 left out: LongRoPE picks its frequencies by the longest position of the whole batch (in Transformers too), so
@@ -454,6 +456,18 @@ def test_sliding_windows_shorter_than_the_sequence_match_eager(case, tmp_path, l
         with pytest.raises(ValueError, match=r"cannot roll the cache back from \d+ to \d+ tokens: .* only the last "
                                              r"12 \(its sliding window\)"):
             handle.crop(-2)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_one_sequence_runs_its_chosen_experts_only_and_matches_eager(model_type, tiny_checkpoint, reference_model):
+    # batch 1, top 2 of 4 experts: a decode step gathers its 2 experts' weights (a prompt still runs all 4)
+    compiled = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True,
+                                                      **tiny_export(model_type, batch_size=1))
+    input_ids, attention_mask = left_padded_prompts([14], seed=4)
+    result = compare_generation(reference_model(model_type), compiled, input_ids, attention_mask, max_new_tokens=30,
+                                min_new_tokens=30)
+    print(f"{model_type} batch 1: {result.summary()}")
+    assert result.max_logit_diff < LOGIT_TOLERANCE and result.tokens_match, result
 
 
 def test_dropping_a_model_frees_its_weights(saved_tiny_llama):

@@ -132,7 +132,7 @@ def test_memory_plan_counts_a_window_only_cache(tmp_path, capsys):
                                   max_position_embeddings=32768, sliding_window=4096)
     neuron_config = NeuronConfig(batch_size=1, sequence_length=16384, auto_cast_type="bf16", tp_degree=8)
     spec = get_export_config("mistral").decoder_spec(config, neuron_config)
-    assert spec.window_cache and spec.kv_cache_shape(1, 16384) == (32, 2, 1, 8, 4096, 128)
+    assert spec.cache_places and spec.kv_cache_shape(1, 16384) == (32, 2, 1, 8, 4096, 128)
     assert estimate_memory(spec, neuron_config).kv_cache_bytes == 2 * 32 * 4096 * 8 * 128 * 2  # 0.5 GiB, not 2
     config.save_pretrained(tmp_path / "mistral")
     assert main(["--model", str(tmp_path / "mistral"), "--sequence_length", "16384", "--auto_cast_type", "bf16"]) == 0

@@ -13,7 +13,7 @@ from typing import Mapping, Union
 import torch
 
 from ..configuration import NeuronConfig
-from ..modeling.decoder import DecoderSpec
+from ..modeling.decoder import DecoderSpec, window_cache_places
 from ..modeling.layout import untile_weight
 
 # A flag is either a constant or the name of a boolean field of the Transformers config.
@@ -197,9 +197,9 @@ class ExportConfig:
                        if layer_types is None or layer_types[i] == "sliding_attention")
         if not layers or window >= neuron_config.sequence_length:
             return {}
-        # Every layer sliding: the cache holds the window only. Some layers sliding: it holds every slot for all.
         return {"sliding_window": int(window), "sliding_layers": layers,
-                "window_cache": len(layers) == config.num_hidden_layers}
+                "cache_places": window_cache_places(config.num_hidden_layers, layers, int(window),
+                                                    neuron_config.sequence_length)}
 
     def _nope_layers(self, config) -> tuple[int, ...]:
         if self.rope_layers is None:

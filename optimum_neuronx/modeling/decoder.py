@@ -11,8 +11,8 @@ A single forward serves both graphs:
 The T new tokens are written at cache slots cache_start .. cache_start + T - 1 of the preallocated cache
 `kv_cache[layers, 2 (k/v), B, kv_heads, S, head_dim]`, all layers with one in-place write after the last layer;
 each layer's attention reads slots 0 .. W - 1 of its cache as they were before the step, and its new tokens'
-K and V beside them (where the cache is a window ring, `DecoderSpec.window_cache`, slot s lives at s mod the
-ring's length). Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal). The
+K and V beside them (sliding layers may keep only their window, `DecoderSpec.cache_places`: a ring, slot s at s
+mod the window). Query t may see slot k when `key_valid[b, k]` and `k <= cache_start + t` (causal). The
 layers' weights are stacked along a leading layer axis and run as one loop (`torch._higher_order_ops.scan`), so a
 compiler sees one layer. Only the hidden state at `last_index` goes through the final norm and the LM head.
 
@@ -85,9 +85,10 @@ class DecoderSpec:
     # positions before the query (0: no window).
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
-    # Every layer slides a window shorter than the sequence: the cache holds only the last `sliding_window` slots,
-    # slot s at s mod sliding_window (a ring), instead of the whole sequence.
-    window_cache: bool = False
+    # Where each layer's K/V live in the cache tensor, (row, first slot, slots) per layer, where sliding layers keep
+    # only their window (`window_cache_places`): slot s of such a layer at first slot + s mod sliding_window (a
+    # ring). (): one row per layer holding every slot.
+    cache_places: tuple[tuple[int, int, int], ...] = ()
     # The block's kinds (NORMS, POSITIONS, MLPS); `max_positions`: the learned position table's size.
     norm: str = "rms"
     positions: str = "rope"
@@ -99,13 +100,34 @@ class DecoderSpec:
     experts_per_token: int = 0
     normalize_expert_weights: bool = True
 
-    def cache_slots(self, sequence_length: int) -> int:
-        """The slots the KV cache holds per layer: the window where it is a ring (`window_cache`), else all."""
-        return min(sequence_length, self.sliding_window) if self.window_cache else sequence_length
-
     def kv_cache_shape(self, batch_size: int, sequence_length: int) -> tuple[int, ...]:
-        """Shape of the KV cache, every layer's in one tensor."""
-        return (self.num_layers, 2, batch_size, self.num_kv_heads, self.cache_slots(sequence_length), self.head_dim)
+        """Shape of the KV cache, every layer's in one tensor (packed as `cache_places` says, if it says)."""
+        rows, slots = self.num_layers, sequence_length
+        if self.cache_places:
+            rows, slots = 1 + max(row for row, _, _ in self.cache_places), max(n for _, _, n in self.cache_places)
+        return (rows, 2, batch_size, self.num_kv_heads, slots, self.head_dim)
+
+
+def window_cache_places(num_layers: int, sliding_layers: tuple[int, ...], window: int,
+                        sequence_length: int) -> tuple[tuple[int, int, int], ...]:
+    """`DecoderSpec.cache_places` for layers sliding a window shorter than the sequence, where that saves memory.
+
+    Every layer sliding: one ring of `window` slots per layer. Some: the full layers one row of every slot each, and
+    the sliding layers' rings side by side in rows of the same length (sequence_length // window rings a row), which
+    must then take fewer rows than one per layer. () where nothing is saved.
+    """
+    if not sliding_layers or window >= sequence_length:
+        return ()
+    if len(sliding_layers) == num_layers:
+        return tuple((layer, 0, window) for layer in range(num_layers))
+    per_row = sequence_length // window
+    full = [layer for layer in range(num_layers) if layer not in sliding_layers]
+    if len(full) + -(-len(sliding_layers) // per_row) >= num_layers:
+        return ()
+    places = {layer: (row, 0, sequence_length) for row, layer in enumerate(full)}
+    for n, layer in enumerate(sorted(sliding_layers)):
+        places[layer] = (len(full) + n // per_row, (n % per_row) * window, window)
+    return tuple(places[layer] for layer in range(num_layers))
 
 
 class Kernels:
@@ -219,10 +241,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
-    """The block's norm (`DecoderSpec.norm`): RMSNorm, or LayerNorm with its bias (in the model dtype, as
-    Transformers' nn.LayerNorm computes it)."""
+    """The block's norm (`DecoderSpec.norm`): RMSNorm, or LayerNorm with its bias (in float32, rounded once to the
+    model dtype, as PyTorch's CPU kernel computes a half-precision nn.LayerNorm; compilers that lower it op by op
+    would otherwise take the mean and variance in half precision)."""
     if kind == "layer":
-        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
     if kind == "gemma":
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
@@ -375,12 +398,22 @@ class DecoderLayer(nn.Module):
 
 
 def mixture_of_experts(x: torch.Tensor, w: dict[str, torch.Tensor], s: DecoderSpec) -> torch.Tensor:
-    """Top-k routed gated experts with static shapes: every expert runs on every token and the router's weights
-    (zero outside a token's top k) mix their outputs, so no shape depends on the routing."""
+    """Top-k routed gated experts with static shapes, so no shape depends on the routing. Where the graph's tokens
+    pick fewer experts than there are (decode), each token's top k experts' weights are gathered and run: a step
+    reads k experts per token, not all. Otherwise (prompts) every expert runs on every token and the router's
+    weights (zero outside a token's top k) mix their outputs."""
     probs = F.softmax(F.linear(x, w["router.weight"]).float(), dim=-1)  # [B, T, E]
     top, index = probs.topk(s.experts_per_token, dim=-1)
     if s.normalize_expert_weights:
         top = top / top.sum(-1, keepdim=True)
+    B, T, k = index.shape
+    if B * T * k < s.num_experts:
+        gate_up = w["experts_gate_up.weight"].index_select(0, index.flatten())  # [B * T * k, 2 I, H]
+        gate, up = torch.einsum("nh,noh->no", x.reshape(B * T, 1, -1).expand(B * T, k, -1).reshape(B * T * k, -1),
+                                gate_up).chunk(2, dim=-1)
+        down = w["experts_down.weight"].index_select(0, index.flatten())  # [B * T * k, H, I]
+        out = torch.einsum("ni,nhi->nh", _ACTIVATIONS[s.hidden_act](gate) * up, down).view(B, T, k, -1)
+        return (out.float() * top[..., None]).sum(2).to(x.dtype)
     experts = torch.arange(s.num_experts, device=x.device)
     mix = ((index[..., None] == experts).to(top.dtype) * top[..., None]).sum(-2)  # [B, T, E], k non-zeros a row
     gate, up = torch.einsum("bth,eoh->bteo", x, w["experts_gate_up.weight"]).chunk(2, dim=-1)
@@ -477,59 +510,73 @@ class StaticDecoder(nn.Module):
 
         dev = input_ids.device
         slots = cache_start + torch.arange(T, device=dev)  # [T]
-        n_rep = self.spec.num_heads // self.spec.num_kv_heads
+        s, L = self.spec, self.spec.num_layers
+        n_rep = s.num_heads // s.num_kv_heads
+        places = s.cache_places or tuple((layer, 0, kv_cache.shape[4]) for layer in range(L))
+        ring = s.sliding_window if s.cache_places else 0  # the slots a sliding layer keeps (0: every one)
         # A key's position is its rank among the row's real slots (positions count real tokens only).
         key_positions = key_valid.long().cumsum(1) - 1  # [B, W]
-        ring = kv_cache.shape[4]  # the slots the cache holds: fewer than W only where it is a window ring
         if T == W:  # a context graph: the window is its tokens, from slot 0
             key_slots = torch.arange(W, device=dev)
-            allowed = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[None, None, :, None])
-            fresh = None
+            context = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[None, None, :, None])
+            cached = fresh = None
         else:
             # The cache's slots from cache_start on hold stale K/V until the write after the layers: the new tokens
             # are attended to from new_kv instead, causally among themselves.
-            if ring < W:  # ring slot j holds the latest slot before cache_start that is j modulo the ring
-                held = cache_start - 1 - torch.remainder(cache_start - 1 - torch.arange(ring, device=dev), ring)
-                cached = key_valid.index_select(1, held.clamp(min=0)) & (held >= 0)  # [B, ring]
-                key_positions = key_positions.index_select(1, held.clamp(min=0))
-            else:
-                cached = key_valid & (torch.arange(W, device=dev) < cache_start)  # [B, W]
-            allowed = cached[:, None, None, :].expand(B, 1, T, cached.shape[1])
+            cached = key_valid & (torch.arange(W, device=dev) < cache_start)  # [B, W]
             causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
             fresh = key_valid.index_select(1, slots)[:, None, None, :] & causal  # [B, 1, T, T]
-        masks, new_mask = self._masks(allowed, fresh, dtype, n_rep)
-        sliding = self.spec.sliding_window and self.spec.sliding_layers
-        if sliding:
-            near = (position_ids[:, None, :, None] - key_positions[:, None, None, :]) < self.spec.sliding_window
-            near_fresh = None if fresh is None else (
-                (position_ids[:, None, :, None] - position_ids[:, None, None, :]) < self.spec.sliding_window)
-            window_masks = self._masks(allowed & near, None if fresh is None else fresh & near_fresh, dtype, n_rep)
-            if not self._mixed_windows:
-                masks, new_mask = window_masks
 
-        L, per_layer = self.spec.num_layers, bool(self.spec.nope_layers or self.spec.rope_local_layers)
+        def mask_set(cached, positions, window: bool):
+            """(masks, new_mask) over the keys `cached` [B, K] at `positions` [B, K] (None: a context graph), within
+            the sliding window where `window`."""
+            allowed = context if cached is None else cached[:, None, None, :].expand(B, 1, T, cached.shape[1])
+            new = fresh
+            if window:
+                allowed = allowed & ((position_ids[:, None, :, None] - positions[:, None, None, :]) < s.sliding_window)
+                if fresh is not None:
+                    new = fresh & ((position_ids[:, None, :, None] - position_ids[:, None, None, :]) < s.sliding_window)
+            return self._masks(allowed, new, dtype, n_rep)
+
+        # Each layer's masks: "plain", "window" (sliding, over the token window W), or "ring" (sliding, a token graph
+        # over a ring narrower than W: ring slot j holds the latest slot before cache_start that is j modulo the ring).
+        kinds = ["plain" if layer not in s.sliding_layers or not s.sliding_window
+                 else "ring" if ring and places[layer][2] == ring and cached is not None and ring < W else "window"
+                 for layer in range(L)]
+        sets = {}
+        for kind in set(kinds):
+            if kind == "ring":
+                held = cache_start - 1 - torch.remainder(cache_start - 1 - torch.arange(ring, device=dev), ring)
+                sets[kind] = mask_set(key_valid.index_select(1, held.clamp(min=0)) & (held >= 0),
+                                      key_positions.index_select(1, held.clamp(min=0)), True)
+            else:
+                sets[kind] = mask_set(cached, key_positions, kind == "window")
+        masks, new_mask = sets[kinds[0]]
+        mixed = self._mixed_windows and len(set(kinds)) > 1
+        packed = any(place[:2] != (layer, 0) for layer, place in enumerate(places))  # rings side by side in a row
+
+        per_layer = bool(s.nope_layers or s.rope_local_layers)
         if per_layer:  # cos / sin per layer [L, B, T, 1, D]: NoPE layers the identity (cos 1, sin 0), local ones theirs
             rotations = {"global": (cos, sin), "none": (torch.ones_like(cos), torch.zeros_like(sin))}
-            if self.spec.rope_local_layers:
+            if s.rope_local_layers:
                 rotations["local"] = _rotation(position_ids, self.rope_local_inv_freq,
-                                               self.spec.rope_local_attention_scaling, dtype)
-            kinds = ["none" if i in self.spec.nope_layers else "local" if i in self.spec.rope_local_layers
-                     else "global" for i in range(L)]
-            cos = torch.stack([rotations[kind][0] for kind in kinds])
-            sin = torch.stack([rotations[kind][1] for kind in kinds])
-
-        mixed = self._mixed_windows
+                                               s.rope_local_attention_scaling, dtype)
+            rope_kinds = ["none" if i in s.nope_layers else "local" if i in s.rope_local_layers else "global"
+                          for i in range(L)]
+            cos = torch.stack([rotations[kind][0] for kind in rope_kinds])
+            sin = torch.stack([rotations[kind][1] for kind in rope_kinds])
 
         def layer_masks(flag):
-            """A mixed-window model's masks for the layer whose sliding flag is `flag` (a 0-d tensor)."""
+            """A mixed-window model's masks for the layer whose sliding flag is `flag` (a 0-d tensor), in the loop."""
             if not mixed:
                 return masks, new_mask
             pick = lambda a, b: torch.where(flag > 0, a, b)  # noqa: E731
-            return ([pick(w, f) for w, f in zip(window_masks[0], masks)],
-                    None if new_mask is None else pick(window_masks[1], new_mask))
+            (window_masks, window_new), (plain_masks, plain_new) = sets["window"], sets["plain"]
+            return ([pick(w, f) for w, f in zip(window_masks, plain_masks)],
+                    None if plain_new is None else pick(window_new, plain_new))
 
         stacked = isinstance(self.layers, DecoderLayer)
-        if stacked and self.kernels.scans(self.spec):
+        if stacked and self.kernels.scans(s) and not packed:
             # One loop over the stacked layers: the compiler traces, lowers and compiles one layer, not num_layers.
             layer = self.layers
             if per_layer or mixed:  # per-layer inputs ride along with the weights
@@ -550,36 +597,48 @@ class StaticDecoder(nn.Module):
                     return layer.step(weights, h, cos, sin, masks, new_mask, layer_cache)
 
                 h, new_kv = scan(body, h, (layer.weights(), kv_cache))
-        else:  # unrolled: one module per layer, or the stacked weights' slices (Kernels.scans False)
+        else:  # unrolled: one module per layer, or the stacked weights' slices (Kernels.scans False, packed caches)
             weights = self.layers.weights() if stacked else None
             new_kv = []
             for i in range(L):
                 layer = self.layers if stacked else self.layers[i]
                 layer_weights = {name: w[i] for name, w in weights.items()} if stacked else layer.weights()
                 layer_cos, layer_sin = (cos[i], sin[i]) if per_layer else (cos, sin)
-                layer_mask, layer_new_mask = layer_masks(self.sliding_layer_flags[i] if mixed else None)
-                h, layer_kv = layer.step(layer_weights, h, layer_cos, layer_sin, layer_mask, layer_new_mask,
-                                         kv_cache[i])
+                row, first, n = places[i]
+                h, layer_kv = layer.step(layer_weights, h, layer_cos, layer_sin, *sets[kinds[i]],
+                                         kv_cache[row, :, :, :, first:first + n])
                 new_kv.append(layer_kv)
-            new_kv = torch.stack(new_kv)
 
-        # One write on the whole cache for every layer's K and V: writes through views would copy the cache.
-        if self.spec.window_cache and T > ring:  # a context longer than the ring: slot j of the ring gets the
-            # latest real token that is j modulo the ring (the tokens after last_index are padding)
-            last = last_index[:1]
-            kept = (last - torch.remainder(last - torch.arange(ring, device=dev), ring)).clamp(min=0)
-            new_kv, slots, T = new_kv.index_select(4, kept), torch.arange(ring, device=dev), ring
-        elif self.spec.window_cache:
-            slots = torch.remainder(slots, ring)
-        dev = kv_cache.device
-        index = (
-            torch.arange(L, device=dev).view(L, 1, 1, 1, 1),
-            torch.arange(2, device=dev).view(1, 2, 1, 1, 1),
-            torch.arange(B, device=dev).view(1, 1, B, 1, 1),
-            torch.arange(self.spec.num_kv_heads, device=dev).view(1, 1, 1, self.spec.num_kv_heads, 1),
-            slots.view(1, 1, 1, 1, T),
-        )
-        self.kernels.write_cache(kv_cache, index, new_kv)
+        # Every layer's K and V written in place by one write per kind of place (all slots, or a ring): writes
+        # through views would copy the cache.
+        for stores_ring in (False, True):
+            layers = [i for i in range(L) if (places[i][2] == ring) == stores_ring and (ring or not stores_ring)]
+            if not layers:
+                continue
+            if isinstance(new_kv, torch.Tensor):  # the loop's, stacked: every layer stored alike
+                kv = new_kv
+            else:
+                kv = torch.stack([new_kv[i] for i in layers])
+            token_slots, count = slots, T
+            if stores_ring and T > ring:  # a context longer than the ring: ring slot j gets the latest real token
+                # that is j modulo the ring (the tokens after last_index are padding)
+                last = last_index[:1]
+                kept = (last - torch.remainder(last - torch.arange(ring, device=dev), ring)).clamp(min=0)
+                kv, token_slots, count = kv.index_select(4, kept), torch.arange(ring, device=dev), ring
+            elif stores_ring:
+                token_slots = torch.remainder(slots, ring)
+            n, rows = len(layers), torch.arange(len(layers), device=dev)
+            if packed and stores_ring:  # the rings side by side after the full layers' rows (window_cache_places)
+                per_row, full_rows = kv_cache.shape[4] // ring, L - n
+                rows, token_slots = full_rows + rows // per_row, (rows % per_row * ring)[:, None] + token_slots
+            index = (
+                rows.view(n, 1, 1, 1, 1),
+                torch.arange(2, device=dev).view(1, 2, 1, 1, 1),
+                torch.arange(B, device=dev).view(1, 1, B, 1, 1),
+                torch.arange(s.num_kv_heads, device=dev).view(1, 1, 1, s.num_kv_heads, 1),
+                token_slots.view(-1 if token_slots.dim() == 2 else 1, 1, 1, 1, count),
+            )
+            self.kernels.write_cache(kv_cache, index, kv)
 
         h = h[torch.arange(B, device=h.device), last_index]  # [B, hidden]
         h = self.norm(h)
