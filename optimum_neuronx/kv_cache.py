@@ -21,6 +21,7 @@ class StaticKVCache:
         self.key_valid = torch.zeros(batch_size, sequence_length, dtype=torch.bool)
         # Sliding layers that keep only their window (DecoderSpec.cache_places): slot s at s mod kv_slots.
         self.ring = bool(spec.cache_places)
+        self.num_layers = spec.num_layers
         self.kv_slots = spec.sliding_window if self.ring else sequence_length
 
     def valid_window(self, width: int) -> torch.Tensor:
@@ -92,4 +93,4 @@ class CacheHandle:
         self._cache.reorder(beam_idx.to(torch.long))
 
     def __len__(self) -> int:
-        return self._cache.kv.shape[0]
+        return self._cache.num_layers  # layers, as a Transformers cache counts (packed rings share rows)

@@ -88,6 +88,11 @@ def test_one_sequence_gathers_its_experts_across_devices(tiny_checkpoint, refere
                                 min_new_tokens=30)
     print(f"qwen3_moe batch 1 tp_degree=2: {result.summary()}")
     assert result.tokens_match and result.max_logit_diff < 1e-4
+    manifest = json.loads((model.artifact_dir / neuron.MANIFEST_NAME).read_text())
+    axes = {a["name"].rsplit(".", 2)[-2]: a["sharded_axis"] for a in manifest["graphs"]["token_32"]["arguments"]
+            if a["name"].endswith(".weight")}
+    # every expert cut across the devices ([layers, experts, 2 I, H] by 2 I, [layers, experts, H, I] by I)
+    assert (axes["experts_gate_up"], axes["experts_down"], axes["router"]) == (2, 3, None)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -459,29 +464,37 @@ def test_estimate_of_neurons_66b_example_needs_24_inf2_cores(tmp_path):
     assert main(["--model", str(tmp_path / "opt-66b"), "--instance_type", "inf9"]) == 1
 
 
-def test_sharded_layout_computes_what_the_plain_decoder_does():
-    # eager, no compiler: the shard-major weights with KV heads repeated give the plain decoder's logits
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3_moe"])
+def test_sharded_layout_computes_what_the_plain_decoder_does(model_type):
+    # eager, no compiler: the shard-major weights with KV heads repeated give the plain decoder's logits, for a
+    # prompt and a decode step (qwen3_moe with 8 experts: the step gathers its rows' experts' slices)
     from transformers import AutoConfig
 
-    from conftest import TINY_COMMON
+    from conftest import TINY_COMMON, TINY_CONFIGS
     from optimum_neuronx.backends.neuron.stablehlo import NeuronKernels
     from optimum_neuronx.exporters import get_export_config
     from optimum_neuronx.modeling.decoder import StaticDecoder
     from optimum_neuronx.modeling.sharding import ShardLayout
 
-    config = AutoConfig.for_model("qwen2", **{**TINY_COMMON, "num_attention_heads": 8, "num_key_value_heads": 2})
-    spec = get_export_config("qwen2").decoder_spec(config, NeuronConfig(sequence_length=16, context_buckets=[8]))
+    experts = {"num_experts": 8} if model_type == "qwen3_moe" else {}
+    config = AutoConfig.for_model(model_type, **{**TINY_COMMON, **TINY_CONFIGS.get(model_type, {}),
+                                                 "num_attention_heads": 8, "num_key_value_heads": 2, **experts})
+    spec = get_export_config(model_type).decoder_spec(config, NeuronConfig(sequence_length=16, context_buckets=[8]))
     torch.manual_seed(0)
     plain = StaticDecoder(spec, NeuronKernels()).eval()
     for name, parameter in plain.named_parameters():
         parameter.normal_(1.0 if "norm" in name else 0.0, 0.2)
     inputs = plain.example_inputs(2, 8, 8, torch.zeros(spec.kv_cache_shape(2, 16)))
     inputs = (torch.randint(0, 256, (2, 8)), torch.arange(8).expand(2, 8), *inputs[2:5])
+    step = (torch.randint(0, 256, (2, 1)), torch.full((2, 1), 8), torch.tensor([8]), torch.ones(2, 16, dtype=torch.bool),
+            torch.zeros(2, dtype=torch.long))
     with torch.no_grad():
-        expected = plain(*inputs, torch.zeros(spec.kv_cache_shape(2, 16)))
+        cache = torch.zeros(spec.kv_cache_shape(2, 16))
+        expected = plain(*inputs, cache), plain(*step, cache)
         for shards in (2, 4, 8):
             layout = ShardLayout.for_spec(spec, shards)
             sharded = neuron._sharded_decoder(plain, layout)
             assert sharded.spec.num_kv_heads == max(2, shards)
-            got = sharded(*inputs, torch.zeros(sharded.spec.kv_cache_shape(2, 16)))
+            cache = torch.zeros(sharded.spec.kv_cache_shape(2, 16))
+            got = sharded(*inputs, cache), sharded(*step, cache)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

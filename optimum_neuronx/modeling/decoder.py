@@ -378,16 +378,11 @@ class DecoderLayer(nn.Module):
 
         x = block_norm(h, "post_attention_norm")
         if s.mlp == "moe":
-            out = mixture_of_experts(x, w, s)
+            out = mixture_of_experts(x, w, s, shards)
         elif s.mlp == "plain":
             out = proj(_ACTIVATIONS[s.hidden_act](proj(x, "up_proj")), "down_proj")
         else:
-            gate_up = proj(x, "gate_up_proj")
-            if shards == 1:
-                gate, up = gate_up.chunk(2, dim=-1)
-            else:
-                gate_up = gate_up.view(B, T, shards, 2, -1)
-                gate, up = (gate_up[:, :, :, i].reshape(B, T, s.intermediate_size) for i in range(2))
+            gate, up = split_gate_up(proj(x, "gate_up_proj"), shards)
             out = proj(_ACTIVATIONS[s.hidden_act](gate) * up, "down_proj")
         return h + _residual(self._branch_out(out, w, "mlp_out_norm"), s.residual_multiplier), new_kv
 
@@ -397,7 +392,16 @@ class DecoderLayer(nn.Module):
         return norm(x, w[f"{name}.weight"], w.get(f"{name}.bias"), s.norm, s.rms_norm_eps) if s.sandwich_norms else x
 
 
-def mixture_of_experts(x: torch.Tensor, w: dict[str, torch.Tensor], s: DecoderSpec) -> torch.Tensor:
+def split_gate_up(gate_up: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate and up of a fused projection's outputs [..., 2 I], stored shard-major over `shards` devices (each shard's
+    gate slice, then its up slice: modeling/sharding.py)."""
+    if shards == 1:
+        return gate_up.chunk(2, dim=-1)
+    parts = gate_up.unflatten(-1, (shards, 2, -1))
+    return parts[..., 0, :].flatten(-2), parts[..., 1, :].flatten(-2)
+
+
+def mixture_of_experts(x: torch.Tensor, w: dict[str, torch.Tensor], s: DecoderSpec, shards: int = 1) -> torch.Tensor:
     """Top-k routed gated experts with static shapes, so no shape depends on the routing. Where the graph's tokens
     pick fewer experts than there are (decode), each token's top k experts' weights are gathered and run: a step
     reads k experts per token, not all. Otherwise (prompts) every expert runs on every token and the router's
@@ -409,14 +413,14 @@ def mixture_of_experts(x: torch.Tensor, w: dict[str, torch.Tensor], s: DecoderSp
     B, T, k = index.shape
     if B * T * k < s.num_experts:
         gate_up = w["experts_gate_up.weight"].index_select(0, index.flatten())  # [B * T * k, 2 I, H]
-        gate, up = torch.einsum("nh,noh->no", x.reshape(B * T, 1, -1).expand(B * T, k, -1).reshape(B * T * k, -1),
-                                gate_up).chunk(2, dim=-1)
+        gate, up = split_gate_up(torch.einsum(
+            "nh,noh->no", x.reshape(B * T, 1, -1).expand(B * T, k, -1).reshape(B * T * k, -1), gate_up), shards)
         down = w["experts_down.weight"].index_select(0, index.flatten())  # [B * T * k, H, I]
         out = torch.einsum("ni,nhi->nh", _ACTIVATIONS[s.hidden_act](gate) * up, down).view(B, T, k, -1)
         return (out.float() * top[..., None]).sum(2).to(x.dtype)
     experts = torch.arange(s.num_experts, device=x.device)
     mix = ((index[..., None] == experts).to(top.dtype) * top[..., None]).sum(-2)  # [B, T, E], k non-zeros a row
-    gate, up = torch.einsum("bth,eoh->bteo", x, w["experts_gate_up.weight"]).chunk(2, dim=-1)
+    gate, up = split_gate_up(torch.einsum("bth,eoh->bteo", x, w["experts_gate_up.weight"]), shards)
     out = torch.einsum("btei,ehi->bteh", _ACTIVATIONS[s.hidden_act](gate) * up, w["experts_down.weight"])
     return (out.float() * mix[..., None]).sum(2).to(x.dtype)
 

@@ -27,6 +27,8 @@ SHARDED_AXES = {
     "up_proj.weight": -2, "up_proj.bias": -1,  # a plain MLP's (gpt2)
     "o_proj.weight": -1, "down_proj.weight": -1,
     "lm_head.weight": -2,
+    # every expert cut like a gated MLP: [experts, 2 I, H] by its outputs, [experts, H, I] by its inputs
+    "experts_gate_up.weight": -2, "experts_down.weight": -1,
 }
 # The KV cache [layers, 2, batch, kv_heads, sequence, head_dim] is split by KV head.
 KV_CACHE_AXIS = 3
@@ -95,7 +97,7 @@ class ShardLayout:
                 wq, wk, wv = weight.split([q, kv, kv], dim=axis)
                 wk, wv = (self._repeat_heads(w, axis) for w in (wk, wv))
                 weight = self._shard_major(torch.cat((wq, wk, wv), dim=axis), [q, wk.shape[axis], wv.shape[axis]], axis)
-            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias", "experts_gate_up.weight")):
                 weight = self._shard_major(weight, [ffn, ffn], -2 if name.endswith("weight") else -1)
             out[name] = weight
         return out
