@@ -548,7 +548,7 @@ class StaticDecoder(nn.Module):
                  else "ring" if ring and places[layer][2] == ring and cached is not None and ring < W else "window"
                  for layer in range(L)]
         sets = {}
-        for kind in set(kinds):
+        for kind in dict.fromkeys(kinds):  # in layer order: the traced graph is the same in every process
             if kind == "ring":
                 held = cache_start - 1 - torch.remainder(cache_start - 1 - torch.arange(ring, device=dev), ring)
                 sets[kind] = mask_set(key_valid.index_select(1, held.clamp(min=0)) & (held >= 0),
