@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,8 +61,6 @@ def _estimate(weight_bytes: int, kv_bytes: int, heads: int, kv_heads: int, neuro
 
 
 def estimate_memory(spec: DecoderSpec, neuron_config: NeuronConfig) -> MemoryEstimate:
-    import math
-
     size = neuron_config.torch_dtype.itemsize
     kv = math.prod(spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length)) * size
     return _estimate(parameter_count(spec) * size, kv, spec.num_heads, spec.num_kv_heads, neuron_config)

@@ -22,7 +22,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from ..configuration import GIB, NeuronConfig
-    from ..exporters import supported_model_types, get_export_config
+    from ..exporters import get_export_config, supported_model_types
     from ..memory import estimate_memory, estimate_memory_from_config
 
     try:
