@@ -518,8 +518,7 @@ class StaticDecoder(nn.Module):
         n_rep = s.num_heads // s.num_kv_heads
         places = s.cache_places or tuple((layer, 0, kv_cache.shape[4]) for layer in range(L))
         ring = s.sliding_window if s.cache_places else 0  # the slots a sliding layer keeps (0: every one)
-        # A key's position is its rank among the row's real slots (positions count real tokens only).
-        key_positions = key_valid.long().cumsum(1) - 1  # [B, W]
+        stores_ring = [bool(ring) and layer in s.sliding_layers for layer in range(L)]
         if T == W:  # a context graph: the window is its tokens, from slot 0
             key_slots = torch.arange(W, device=dev)
             context = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[None, None, :, None])
@@ -545,8 +544,10 @@ class StaticDecoder(nn.Module):
         # Each layer's masks: "plain", "window" (sliding, over the token window W), or "ring" (sliding, a token graph
         # over a ring narrower than W: ring slot j holds the latest slot before cache_start that is j modulo the ring).
         kinds = ["plain" if layer not in s.sliding_layers or not s.sliding_window
-                 else "ring" if ring and places[layer][2] == ring and cached is not None and ring < W else "window"
+                 else "ring" if stores_ring[layer] and cached is not None and ring < W else "window"
                  for layer in range(L)]
+        # A key's position is its rank among the row's real slots (positions count real tokens only); windows only.
+        key_positions = key_valid.long().cumsum(1) - 1 if s.sliding_window else None  # [B, W]
         sets = {}
         for kind in dict.fromkeys(kinds):  # in layer order: the traced graph is the same in every process
             if kind == "ring":
@@ -556,7 +557,7 @@ class StaticDecoder(nn.Module):
             else:
                 sets[kind] = mask_set(cached, key_positions, kind == "window")
         masks, new_mask = sets[kinds[0]]
-        mixed = self._mixed_windows and len(set(kinds)) > 1
+        mixed = self._mixed_windows
         packed = any(place[:2] != (layer, 0) for layer, place in enumerate(places))  # rings side by side in a row
 
         per_layer = bool(s.nope_layers or s.rope_local_layers)
@@ -615,8 +616,8 @@ class StaticDecoder(nn.Module):
 
         # Every layer's K and V written in place by one write per kind of place (all slots, or a ring): writes
         # through views would copy the cache.
-        for stores_ring in (False, True):
-            layers = [i for i in range(L) if (places[i][2] == ring) == stores_ring and (ring or not stores_ring)]
+        for ring_group in (False, True):
+            layers = [i for i in range(L) if stores_ring[i] == ring_group]
             if not layers:
                 continue
             if isinstance(new_kv, torch.Tensor):  # the loop's, stacked: every layer stored alike
@@ -624,15 +625,15 @@ class StaticDecoder(nn.Module):
             else:
                 kv = torch.stack([new_kv[i] for i in layers])
             token_slots, count = slots, T
-            if stores_ring and T > ring:  # a context longer than the ring: ring slot j gets the latest real token
+            if ring_group and T > ring:  # a context longer than the ring: ring slot j gets the latest real token
                 # that is j modulo the ring (the tokens after last_index are padding)
                 last = last_index[:1]
                 kept = (last - torch.remainder(last - torch.arange(ring, device=dev), ring)).clamp(min=0)
                 kv, token_slots, count = kv.index_select(4, kept), torch.arange(ring, device=dev), ring
-            elif stores_ring:
+            elif ring_group:
                 token_slots = torch.remainder(slots, ring)
             n, rows = len(layers), torch.arange(len(layers), device=dev)
-            if packed and stores_ring:  # the rings side by side after the full layers' rows (window_cache_places)
+            if packed and ring_group:  # the rings side by side after the full layers' rows (window_cache_places)
                 per_row, full_rows = kv_cache.shape[4] // ring, L - n
                 rows, token_slots = full_rows + rows // per_row, (rows % per_row * ring)[:, None] + token_slots
             index = (
