@@ -124,13 +124,18 @@ def normalize_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
 class GraphSpec:
     """One compiled graph: `tokens` new tokens per sequence attending to `window` cache slots."""
 
-    kind: str  # "context" (prefill) or "token" (decode)
+    kind: str  # "context" (prefill), "token" (decode) or "verify" (speculation: drafted tokens scored together)
     tokens: int
     window: int
 
     @property
     def name(self) -> str:
         return f"{self.kind}_{self.window}"
+
+    @property
+    def logits_positions(self) -> int:
+        """Positions per sequence the graph returns logits for: every new token of a verification graph, else one."""
+        return self.tokens if self.kind == "verify" else 1
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -158,6 +163,10 @@ class NeuronConfig:
     compiler_args: tuple[str, ...] = field(default_factory=tuple)
     # The Neuron instance the graphs are planned and compiled for (INSTANCE_TYPES); None: DEFAULT_INSTANCE_TYPE.
     instance_type: Optional[str] = None
+    # Speculative decoding (optimum-neuron's name): > 0 adds a verification graph per token bucket that scores the
+    # last accepted token and up to this many drafted ones in one pass (generate's prompt_lookup_num_tokens or
+    # assistant_model), batch_size 1 only.
+    speculation_length: int = 0
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -180,6 +189,19 @@ class NeuronConfig:
             raise ValueError(
                 f"tp_degree (num_cores) {self.tp_degree!r} is not supported; use one of {SUPPORTED_TP_DEGREES}."
             )
+        if isinstance(self.speculation_length, bool) or not isinstance(self.speculation_length, int) or \
+                self.speculation_length < 0:
+            raise ValueError(f"speculation_length must be a non-negative integer (0: no speculation), got "
+                             f"{self.speculation_length!r}.")
+        if self.speculation_length:
+            if self.batch_size != 1:
+                raise ValueError(f"speculation_length={self.speculation_length} needs batch_size=1 (Transformers' "
+                                 f"assisted generation scores one sequence's drafts), got batch_size="
+                                 f"{self.batch_size}. Export with batch_size=1, or without speculation_length.")
+            if self.speculation_length + 1 >= seq:
+                raise ValueError(f"speculation_length={self.speculation_length} leaves no room in sequence_length="
+                                 f"{seq}: a verification pass takes speculation_length + 1 tokens. Use "
+                                 f"speculation_length <= {max(seq - 2, 0)}.")
         if self.backend not in SUPPORTED_BACKENDS:
             raise ValueError(f"Unknown backend {self.backend!r}; supported backends: {', '.join(SUPPORTED_BACKENDS)}.")
         if isinstance(self.compiler_args, str) or not all(isinstance(a, str) for a in self.compiler_args):
@@ -213,9 +235,14 @@ class NeuronConfig:
         return TORCH_DTYPES[self.auto_cast_type]
 
     def graphs(self) -> list[GraphSpec]:
-        """Every graph of an export: one context-encoding graph per context bucket, one token graph per token bucket."""
+        """Every graph of an export: one context-encoding graph per context bucket, one token graph per token bucket,
+        and with speculation_length one verification graph per token bucket wider than a verification pass."""
         contexts = [GraphSpec("context", size, size) for size in self.context_buckets]
-        return contexts + [GraphSpec("token", 1, size) for size in self.token_buckets]
+        tokens = [GraphSpec("token", 1, size) for size in self.token_buckets]
+        width = self.speculation_length + 1  # a verification pass: the last accepted token and the drafted ones
+        verify = [GraphSpec("verify", width, size) for size in self.token_buckets if size > width] \
+            if self.speculation_length else []
+        return contexts + tokens + verify
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -69,6 +69,12 @@ class CacheHandle:
         older slots are overwritten (as Transformers' StaticSlidingWindowLayer)."""
         return not self._cache.ring
 
+    @property
+    def is_linear(self) -> list[bool]:
+        """Per layer, whether it keeps a recurrent state (none here): generate reads it when it continues from a
+        cache, as a draft model does on every call."""
+        return [False] * self._cache.num_layers
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -79,6 +80,7 @@ NEURON_KWARGS = {
     "compiler_args": "compiler_args",
     "instance_type": "instance_type",
     "tensor_parallel_size": "tp_degree",  # optimum-neuron's name
+    "speculation_length": "speculation_length",
 }
 
 
@@ -138,7 +140,8 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             if compiled is None:
                 continue
             given = [[list(t.shape), str(t.dtype).removeprefix("torch.")]
-                     for t in StaticDecoder.example_inputs(nc.batch_size, spec.tokens, spec.window, kv_cache)]
+                     for t in StaticDecoder.example_inputs(nc.batch_size, spec.tokens, spec.window, kv_cache,
+                                                             spec.logits_positions)]
             for input_name, expected, actual in zip(StaticDecoder.INPUT_NAMES, compiled, given):
                 if [list(expected[0]), expected[1]] != actual:
                     raise ArtifactError(
@@ -389,7 +392,9 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                                           or mask.shape[0] not in (1, input_ids.shape[0])):
                 raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has "
                                  f"{tuple(input_ids.shape)}: pass the mask the tokenizer returned with the ids.")
-            fitted = self._fit_generation_length(input_ids.shape, config, truncate_to_sequence_length)
+            self._check_speculation(input_ids.shape[0], config, kwargs)
+            continuing = any(kwargs.get(name) is self._handle is not None for name in ("cache", "past_key_values"))
+            fitted = self._fit_generation_length(input_ids.shape, config, truncate_to_sequence_length, continuing)
             if fitted is not None:
                 kwargs["max_new_tokens"] = fitted
                 kwargs.pop("max_length", None)
@@ -397,12 +402,56 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise RuntimeError("generate was called on this model while its own generate is running in the same thread "
                                "(e.g. from a streamer or stopping criterion): both would share one KV cache. Call it "
                                "after the outer generate returns, or load a second model for the inner one.")
-        with self._lock:
+        with self._lock, self._drafting(kwargs.get("assistant_model")):
             self._generating.active = True
             try:
                 return super().generate(inputs, generation_config=generation_config, **kwargs)
             finally:
                 self._generating.active = False
+
+    @contextlib.contextmanager
+    def _drafting(self, assistant):
+        """A draft model whose generation_config leaves num_assistant_tokens unset (Transformers' default: 20)
+        drafts speculation_length tokens during this generate, what one verification pass scores."""
+        config = getattr(assistant, "generation_config", None)
+        k = self.neuron_config.speculation_length
+        if not k or config is None or config.num_assistant_tokens is not None:
+            yield
+            return
+        config.num_assistant_tokens = k
+        try:
+            yield
+        finally:
+            config.num_assistant_tokens = None
+
+    def _check_speculation(self, batch: int, config: GenerationConfig, kwargs: dict) -> None:
+        """Assisted generation (prompt lookup or a draft model) within what the verification graphs take: one
+        sequence, at most speculation_length drafted tokens a pass (a draft model's, left unset, drafts that many:
+        `_drafting`). Exports without verification graphs score drafts one decode step each."""
+        lookup, assistant = config.prompt_lookup_num_tokens, kwargs.get("assistant_model")
+        if not lookup and assistant is None:
+            return
+        k = self.neuron_config.speculation_length
+        if batch * (config.num_return_sequences or 1) > 1:
+            raise ValueError(f"Speculative decoding (prompt_lookup_num_tokens / assistant_model) scores one "
+                             f"sequence at a time, but this request has {batch} prompts x "
+                             f"{config.num_return_sequences or 1} sequences. Generate them one by one, or without "
+                             f"speculation.")
+        if not k:
+            logger.warning("This export has no verification graphs (speculation_length=0): each drafted token costs "
+                           "a full decode step, so speculation is no faster. Re-export with speculation_length=k to "
+                           "score k drafted tokens in one pass.")
+            return
+        if lookup and lookup > k:
+            raise ValueError(f"prompt_lookup_num_tokens={lookup} exceeds the {k} drafted tokens this export's "
+                             f"verification graphs score in one pass (speculation_length={k}). Use "
+                             f"prompt_lookup_num_tokens <= {k}, or re-export with speculation_length={lookup}.")
+        drafted = getattr(getattr(assistant, "generation_config", None), "num_assistant_tokens", None)
+        if drafted is not None and drafted > k:
+            raise ValueError(f"The assistant model's generation_config.num_assistant_tokens={drafted} exceeds the {k} "
+                             f"drafted tokens this export's verification graphs score in one pass (speculation_length="
+                             f"{k}). Set it <= {k} (left unset, {k} is used), or re-export with speculation_length="
+                             f"{drafted}.")
 
     @staticmethod
     def _drop_cache_options(config: GenerationConfig, generation_config, kwargs: dict):
@@ -425,14 +474,19 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             kwargs.update(overrides)
         return generation_config
 
-    def _fit_generation_length(self, shape, config: GenerationConfig, truncate) -> Optional[int]:
+    def _fit_generation_length(self, shape, config: GenerationConfig, truncate, continuing: bool = False
+                               ) -> Optional[int]:
+        """max_new_tokens lowered to fit sequence_length where `truncate`, else None (or an error if it does not
+        fit). `continuing`: generate continues from this model's live cache (a draft model's later rounds), so only
+        the tokens after it are encoded, as decode steps: no context bucket needs to hold the whole prompt."""
         nc = self.neuron_config
         batch, prompt = shape
         beams = config.num_beams or 1
         rows = batch * (beams if beams > 1 else (config.num_return_sequences or 1))
         self._check_batch(rows, f"batch of {batch} prompts x {max(beams, config.num_return_sequences or 1)} "
                                 f"beams/sequences")
-        context_bucket(prompt, nc.context_buckets)  # raises if the prompt does not fit any bucket
+        if not continuing:
+            context_bucket(prompt, nc.context_buckets)  # raises if the prompt does not fit any bucket
         new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
         if prompt + new_tokens <= nc.sequence_length:
             return None
@@ -541,33 +595,73 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         return logits[:b, None, :]
 
     def _decode(self, input_ids, attention_mask) -> torch.Tensor:
-        b, n = input_ids.shape
-        nc = self.neuron_config
-        cache, handle, step = self._cache, self._handle, self._step
-        out = []
-        for j in range(n):  # several tokens (e.g. after a rollback) are fed one decode step each
-            slot = handle.length
-            window = token_bucket(slot, nc.token_buckets)
-            valid = cache.key_valid[:b, : slot + 1]
-            if attention_mask is not None:
-                if attention_mask.shape[1] < slot + 1:
-                    raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens but the cache holds "
-                                     f"{slot} + {n} new ones.")
-                valid.copy_(attention_mask[:, : slot + 1])
+        """Logits [b, n, vocab] of n new tokens: several (drafted tokens, a rollback) in verification passes of up to
+        speculation_length + 1 tokens where the export has them and they fit the cache, else one decode step each."""
+        n, width = input_ids.shape[1], self.neuron_config.speculation_length + 1
+        if attention_mask is not None and attention_mask.shape[1] < self._handle.length + n:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens but the cache holds "
+                             f"{self._handle.length} + {n} new ones.")
+        out, j = [], 0
+        while j < n:
+            count = min(n - j, width)
+            if count > 1 and self._handle.length + width <= self.neuron_config.sequence_length:
+                out.append(self._verify(input_ids[:, j:j + count], attention_mask))
             else:
-                valid.fill_(True)
-            # The small inputs are refilled in place, not allocated per step (the key mask's window is still copied
-            # out contiguous below). Rows past b are never read back.
-            step.ids[:b, 0] = input_ids[:, j]
-            torch.sum(valid, dim=-1, out=step.positions[:b, 0])
-            step.positions[:b].sub_(1).clamp_(min=0)
-            step.slot.fill_(slot)
-            logits = self._graphs[f"token_{window}"](
-                [step.ids, step.positions, step.slot, cache.valid_window(window), step.last, cache.kv]
-            )
-            handle.length = slot + 1
-            out.append(logits[:b, None])
-        return out[0] if n == 1 else torch.cat(out, dim=1)
+                count = 1
+                out.append(self._decode_step(input_ids[:, j], attention_mask))
+            j += count
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+    def _valid_slots(self, rows: int, attention_mask, end: int) -> torch.Tensor:
+        """key_valid's slots up to `end` of the first `rows` rows, from the mask (None: every slot real)."""
+        valid = self._cache.key_valid[:rows, :end]
+        if attention_mask is not None:
+            valid.copy_(attention_mask[:, :end])
+        else:
+            valid.fill_(True)
+        return valid
+
+    def _verify(self, input_ids, attention_mask) -> torch.Tensor:
+        """n <= speculation_length + 1 new tokens scored in one pass of a verification graph (their K/V written at
+        the next slots; the padding after them is written too, at slots left invalid). Logits [b, n, vocab]."""
+        b, n = input_ids.shape
+        nc, cache, handle = self.neuron_config, self._cache, self._handle
+        slot, width = handle.length, nc.speculation_length + 1
+        window = token_bucket(slot + width - 1, nc.token_buckets)
+        mask = attention_mask[:b] if attention_mask is not None else None
+        self._valid_slots(b, mask, slot + n)
+        cache.key_valid[:, slot + n: slot + width] = False
+        cache.key_valid[b:, : slot + width] = False
+        ids = torch.zeros(nc.batch_size, width, dtype=torch.long)
+        ids[:b, :n] = input_ids
+        # Fresh tensors, not slices: a one-row slice keeps the whole row's stride, which the graphs' checks refuse.
+        positions = torch.empty(nc.batch_size, width, dtype=torch.long)
+        positions.copy_((cache.key_valid[:, : slot + width].long().cumsum(-1) - 1).clamp(min=0)[:, slot:])
+        last = torch.arange(width).repeat(nc.batch_size, 1)
+        logits = self._graphs[f"verify_{window}"](
+            [ids, positions, torch.tensor([slot]), cache.valid_window(window), last, cache.kv]
+        )
+        handle.length = slot + n
+        return logits[:b, :n]
+
+    def _decode_step(self, token_ids, attention_mask) -> torch.Tensor:
+        """One token per row (token_ids [b]) through a token graph. Logits [b, 1, vocab]."""
+        b = token_ids.shape[0]
+        nc, cache, handle, step = self.neuron_config, self._cache, self._handle, self._step
+        slot = handle.length
+        window = token_bucket(slot, nc.token_buckets)
+        valid = self._valid_slots(b, attention_mask, slot + 1)
+        # The small inputs are refilled in place, not allocated per step (the key mask's window is still copied
+        # out contiguous below). Rows past b are never read back.
+        step.ids[:b, 0] = token_ids
+        torch.sum(valid, dim=-1, out=step.positions[:b, 0])
+        step.positions[:b].sub_(1).clamp_(min=0)
+        step.slot.fill_(slot)
+        logits = self._graphs[f"token_{window}"](
+            [step.ids, step.positions, step.slot, cache.valid_window(window), step.last, cache.kv]
+        )
+        handle.length = slot + 1
+        return logits[:b, None]
 
 
 AutoConfig.register(NeuronCausalLMConfig.model_type, NeuronCausalLMConfig, exist_ok=True)

@@ -95,6 +95,19 @@ def test_one_sequence_gathers_its_experts_across_devices(tiny_checkpoint, refere
     assert (axes["experts_gate_up"], axes["experts_down"], axes["router"]) == (2, 3, None)
 
 
+def test_speculation_verifies_drafts_across_devices(tiny_checkpoint, reference_model):
+    """Verification graphs (3 drafted tokens) sharded over 2 devices: prompt lookup and a draft model give plain
+    greedy's tokens, across the 32 -> 64 bucket."""
+    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, num_cores=2,
+                                                   **dict(NEURON_EXPORT, batch_size=1), speculation_length=3)
+    assert {"verify_32", "verify_64"} <= set(model._graphs)
+    prompt = torch.tensor([[21, 22, 23, 24, 25, 21, 22, 23, 24, 25, 21, 22]])
+    expected = reference_model("llama").generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    for options in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=reference_model("llama"))):
+        actual = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, **options)
+        assert torch.equal(actual, expected), options
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_logits_equal_one_device(neuron_model, tp):
     input_ids, attention_mask = left_padded_prompts([16, 11, 5], seed=8)

@@ -69,6 +69,9 @@ def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token_buckets", type=_int_list, default=None, metavar="N[,N...]",
                         help="cache windows to compile decode graphs for; the largest must be sequence_length "
                              "(default: powers of two from 128 up to sequence_length)")
+    parser.add_argument("--speculation_length", type=int, default=None, metavar="K",
+                        help="compile verification graphs that score K drafted tokens in one pass, for generate's "
+                             "prompt_lookup_num_tokens / assistant_model (batch size 1; default: 0, none)")
     parser.add_argument("--compiler_args", action="append", default=[], metavar="ARG",
                         help="backend option, repeatable; inductor: NAME=VALUE, a torch._inductor.config option; "
                              "neuron: a neuronx-cc flag, e.g. --compiler_args=-O3")
@@ -108,7 +111,8 @@ def neuron_config_from_args(args: argparse.Namespace, config=None):
     options = dict(batch_size=args.batch_size, sequence_length=args.sequence_length, tp_degree=args.num_cores,
                    auto_cast_type=dtype, backend=args.backend, context_buckets=args.context_buckets,
                    token_buckets=args.token_buckets, compiler_args=tuple(compiler_args),
-                   instance_type=getattr(args, "instance_type", None))
+                   instance_type=getattr(args, "instance_type", None),
+                   speculation_length=getattr(args, "speculation_length", None))
     if config is not None:
         return NeuronConfig.for_model(config, **options)
     return NeuronConfig(**{k: v for k, v in options.items() if v is not None})

@@ -124,6 +124,12 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
             f"tp_degree (num_cores) = {neuron_config.tp_degree}: the {backend.name} backend does not shard graphs "
             f"across cores (each graph already runs on all of this machine's CPU cores). Use num_cores=1."
         )
+    if neuron_config.speculation_length and spec.cache_places:
+        raise ValueError(
+            f"speculation_length={neuron_config.speculation_length}: this model's sliding-window layers keep only "
+            f"their last {spec.sliding_window} tokens (sequence_length {neuron_config.sequence_length} is longer), so "
+            f"rejected drafts cannot be rolled back. Export with speculation_length=0, or sequence_length <= "
+            f"{spec.sliding_window}.")
     if backend.shards:
         ShardLayout.for_spec(spec, neuron_config.tp_degree)  # heads and MLP cut evenly, or a clear error
     estimate = estimate_memory(spec, neuron_config)
@@ -243,7 +249,8 @@ def _write_export(p: _Prepared, output_dir: str | Path, cached_graphs: Optional[
             with torch.no_grad():
                 times = p.backend.compile(
                     p.decoder, p.graphs,
-                    lambda g: p.decoder.example_inputs(nc.batch_size, g.tokens, g.window, kv_cache), staging, nc)
+                    lambda g: p.decoder.example_inputs(nc.batch_size, g.tokens, g.window, kv_cache,
+                                                             g.logits_positions), staging, nc)
             graph_files = p.backend.graph_files(staging)
         else:
             entry = read_entry_meta(cached_graphs)

@@ -6,7 +6,9 @@ A single forward serves both graphs:
         -> logits[B, V] (float32)
 
 * context encoding: T = W = prompt bucket, cache_start = 0;
-* token generation: T = 1, W = token-generation bucket, cache_start = the slot the token is written to.
+* token generation: T = 1, W = token-generation bucket, cache_start = the slot the token is written to;
+* verification (speculative decoding): T = drafted tokens + 1 over a token bucket, last_index [B, T]: logits
+  [B, T, V] at every new token.
 
 The T new tokens are written at cache slots cache_start .. cache_start + T - 1 of the preallocated cache
 `kv_cache[layers, 2 (k/v), B, kv_heads, S, head_dim]`, all layers with one in-place write after the last layer;
@@ -478,14 +480,17 @@ class StaticDecoder(nn.Module):
     INPUT_NAMES = ("input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache")
 
     @staticmethod
-    def example_inputs(batch_size: int, tokens: int, window: int, kv_cache: torch.Tensor) -> tuple:
-        """Inputs of the graph for `tokens` new tokens per sequence over a `window` of the cache (INPUT_NAMES)."""
+    def example_inputs(batch_size: int, tokens: int, window: int, kv_cache: torch.Tensor,
+                       logits_positions: int = 1) -> tuple:
+        """Inputs of the graph for `tokens` new tokens per sequence over a `window` of the cache (INPUT_NAMES);
+        `logits_positions` > 1: last_index [B, positions], logits at each (a verification graph)."""
+        last_index = torch.zeros(batch_size, *((logits_positions,) if logits_positions > 1 else ()), dtype=torch.long)
         return (
             torch.zeros(batch_size, tokens, dtype=torch.long),  # input_ids
             torch.zeros(batch_size, tokens, dtype=torch.long),  # position_ids
             torch.zeros(1, dtype=torch.long),  # cache_start
             torch.ones(batch_size, window, dtype=torch.bool),  # key_valid
-            torch.zeros(batch_size, dtype=torch.long),  # last_index
+            last_index,
             kv_cache,
         )
 
@@ -645,7 +650,8 @@ class StaticDecoder(nn.Module):
             )
             self.kernels.write_cache(kv_cache, index, kv)
 
-        h = h[torch.arange(B, device=h.device), last_index]  # [B, hidden]
+        rows = torch.arange(B, device=h.device)
+        h = h[rows[:, None] if last_index.dim() == 2 else rows, last_index]  # [B, hidden], or [B, P, hidden]
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
         logits = self.kernels.lm_head(h, weight, self.spec.tie_word_embeddings)

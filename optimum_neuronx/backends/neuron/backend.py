@@ -87,7 +87,8 @@ class NeuronBackend(Backend):
 
         def lower(graph: GraphSpec) -> tuple[StableHLOGraph, float]:
             start = time.perf_counter()
-            inputs = sharded.example_inputs(neuron_config.batch_size, graph.tokens, graph.window, cache)
+            inputs = sharded.example_inputs(neuron_config.batch_size, graph.tokens, graph.window, cache,
+                                            graph.logits_positions)
             with torch.no_grad():
                 lowered = lower_graph(sharded, inputs, graph.name)
             return lowered, time.perf_counter() - start
