@@ -25,6 +25,8 @@ MIN_DEFAULT_BUCKET = 128
 # Default sequence_length: the model's context length, capped here (as optimum-neuron does): a longer KV cache costs
 # memory and compile time for lengths few requests reach.
 MAX_DEFAULT_SEQUENCE_LENGTH = 4096
+# Weight-only quantizations an export can ask for (modeling/quantization.py implements them).
+QUANTIZATIONS = ("int8",)
 # The compiler backends (backends/); backends.get_backend(name) loads one.
 SUPPORTED_BACKENDS = ("inductor", "neuron")
 GIB = 1024**3
@@ -167,6 +169,8 @@ class NeuronConfig:
     # last accepted token and up to this many drafted ones in one pass (generate's prompt_lookup_num_tokens or
     # assistant_model), batch_size 1 only.
     speculation_length: int = 0
+    # Weight-only quantization of the layers' projections (modeling/quantization.py QUANTIZATIONS): "int8", or None.
+    quantization: Optional[str] = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -202,6 +206,9 @@ class NeuronConfig:
                 raise ValueError(f"speculation_length={self.speculation_length} leaves no room in sequence_length="
                                  f"{seq}: a verification pass takes speculation_length + 1 tokens. Use "
                                  f"speculation_length <= {max(seq - 2, 0)}.")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"Unknown quantization {self.quantization!r}; supported: {', '.join(QUANTIZATIONS)} "
+                             f"(weight-only, one scale per output channel), or None for none.")
         if self.backend not in SUPPORTED_BACKENDS:
             raise ValueError(f"Unknown backend {self.backend!r}; supported backends: {', '.join(SUPPORTED_BACKENDS)}.")
         if isinstance(self.compiler_args, str) or not all(isinstance(a, str) for a in self.compiler_args):

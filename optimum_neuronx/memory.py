@@ -19,6 +19,18 @@ def parameter_count(spec: DecoderSpec) -> int:
         return sum(p.numel() for p in StaticDecoder(spec).parameters())
 
 
+def weight_bytes(spec: DecoderSpec, neuron_config: NeuronConfig) -> int:
+    """The weights' bytes as the export stores them: quantized projections at their own width (int8: 1 byte, plus a
+    float32 scale per output), everything else in the export dtype."""
+    import torch
+
+    with torch.device("meta"):
+        decoder = StaticDecoder(spec, quantization=neuron_config.quantization)
+    size = neuron_config.torch_dtype.itemsize
+    return sum(p.numel() * (p.element_size() if p.dtype in (torch.int8,) or name.endswith(".scale") else size)
+               for name, p in decoder.named_parameters())
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     weight_bytes: int
@@ -63,7 +75,7 @@ def _estimate(weight_bytes: int, kv_bytes: int, heads: int, kv_heads: int, neuro
 def estimate_memory(spec: DecoderSpec, neuron_config: NeuronConfig) -> MemoryEstimate:
     size = neuron_config.torch_dtype.itemsize
     kv = math.prod(spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length)) * size
-    return _estimate(parameter_count(spec) * size, kv, spec.num_heads, spec.num_kv_heads, neuron_config)
+    return _estimate(weight_bytes(spec, neuron_config), kv, spec.num_heads, spec.num_kv_heads, neuron_config)
 
 
 def estimate_memory_from_config(config, neuron_config: NeuronConfig) -> MemoryEstimate:

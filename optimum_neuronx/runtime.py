@@ -81,6 +81,7 @@ NEURON_KWARGS = {
     "instance_type": "instance_type",
     "tensor_parallel_size": "tp_degree",  # optimum-neuron's name
     "speculation_length": "speculation_length",
+    "quantization": "quantization",
 }
 
 

@@ -27,7 +27,10 @@ class Backend(ABC):
     # Whether graphs may be sharded across several cores (tensor parallelism, NeuronConfig.tp_degree > 1).
     shards: bool = False
 
-    def kernels(self, dtype: torch.dtype, batch_size: int) -> Kernels:
+    # Weight-only quantizations (NeuronConfig.quantization) whose weights this backend's graphs compute with.
+    quantizations: tuple[str, ...] = ()
+
+    def kernels(self, dtype: torch.dtype, batch_size: int, quantization: str | None = None) -> Kernels:
         """How the decoder computes its projections, attention and cache write (modeling/decoder.py `Kernels`)."""
         return Kernels()
 

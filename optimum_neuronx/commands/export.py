@@ -72,6 +72,9 @@ def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculation_length", type=int, default=None, metavar="K",
                         help="compile verification graphs that score K drafted tokens in one pass, for generate's "
                              "prompt_lookup_num_tokens / assistant_model (batch size 1; default: 0, none)")
+    parser.add_argument("--quantization", default=None, choices=("int8",),
+                        help="weight-only quantization of the layers' projections: int8, one scale per output channel "
+                             "(default: none)")
     parser.add_argument("--compiler_args", action="append", default=[], metavar="ARG",
                         help="backend option, repeatable; inductor: NAME=VALUE, a torch._inductor.config option; "
                              "neuron: a neuronx-cc flag, e.g. --compiler_args=-O3")
@@ -112,7 +115,8 @@ def neuron_config_from_args(args: argparse.Namespace, config=None):
                    auto_cast_type=dtype, backend=args.backend, context_buckets=args.context_buckets,
                    token_buckets=args.token_buckets, compiler_args=tuple(compiler_args),
                    instance_type=getattr(args, "instance_type", None),
-                   speculation_length=getattr(args, "speculation_length", None))
+                   speculation_length=getattr(args, "speculation_length", None),
+                   quantization=getattr(args, "quantization", None))
     if config is not None:
         return NeuronConfig.for_model(config, **options)
     return NeuronConfig(**{k: v for k, v in options.items() if v is not None})

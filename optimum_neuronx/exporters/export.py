@@ -20,6 +20,7 @@ from ..backends import Backend, get_backend
 from ..configuration import GraphSpec, NeuronConfig
 from ..memory import check_fits_neuron_cores, estimate_memory
 from ..modeling.decoder import DecoderSpec, StaticDecoder
+from ..modeling.quantization import dequantize_weights, quantize_weights
 from ..modeling.sharding import ShardLayout
 from ..trust import record_produced_here
 from ..version import ARTIFACT_FORMAT_VERSION, __version__
@@ -81,7 +82,7 @@ def artifact_state_dict(artifact_dir: str | Path) -> tuple[object, dict]:
     config = AutoConfig.from_pretrained(artifact_dir)
     with torch.device("meta"):
         expected = AutoModelForCausalLM.from_config(config).state_dict()
-    weights = load_file(str(artifact_dir / WEIGHTS_NAME))
+    weights = dequantize_weights(load_file(str(artifact_dir / WEIGHTS_NAME)))  # int8 ones back to float32
     redo = "The export's config.json and neuronx_weights.safetensors do not belong together: re-export the model."
     try:
         restored = get_export_config(config.model_type).restore_weights(weights, expected)
@@ -141,9 +142,15 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
                 list(neuron_config.context_buckets), list(neuron_config.token_buckets), len(graphs),
                 neuron_config.backend, neuron_config.auto_cast_type)
 
+    quantization = neuron_config.quantization
+    if quantization and quantization not in backend.quantizations:
+        raise ValueError(f"quantization={quantization!r} is not supported by the {backend.name} backend (it supports "
+                         f"{', '.join(backend.quantizations) or 'none'}). Export without quantization, or with a "
+                         f"backend that supports it.")
     start = time.perf_counter()
     with torch.device("meta"):
-        decoder = StaticDecoder(spec, backend.kernels(neuron_config.torch_dtype, neuron_config.batch_size))
+        decoder = StaticDecoder(spec, backend.kernels(neuron_config.torch_dtype, neuron_config.batch_size,
+                                                      quantization), quantization)
     generation_config = None
     if from_export:
         source = read_artifact(model_id)[1].get("source")
@@ -158,8 +165,13 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
             hf_model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32, **hf_kwargs)
             state, generation_config = hf_model.state_dict(), hf_model.generation_config
             del hf_model
-        weights = decoder.arrange_weights(export_config.convert_weights(state, decoder.parameter_names(),
-                                                                        neuron_config.torch_dtype, spec.num_layers))
+        # Quantized exports convert in float32 and round each projection to int8 from that, not from the dtype
+        weights = export_config.convert_weights(state, decoder.parameter_names(),
+                                                torch.float32 if quantization else neuron_config.torch_dtype,
+                                                spec.num_layers)
+        if quantization:
+            weights = quantize_weights(weights, neuron_config.torch_dtype)
+        weights = decoder.arrange_weights(weights)
         del state
         decoder.load_state_dict(weights, strict=False, assign=True)
         logger.info("Loaded and converted weights in %.1f s", time.perf_counter() - start)

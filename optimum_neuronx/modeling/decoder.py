@@ -159,8 +159,13 @@ class Kernels:
         """The tile a projection weight of `outputs` outputs is stored in (modeling/layout.py); 0: plain."""
         return 0
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stacked: bool) -> torch.Tensor:
-        """A layer's projection; `stacked`: `weight` is one layer's slice of stacked weights."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stacked: bool,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+        """A layer's projection; `stacked`: `weight` is one layer's slice of stacked weights. With `scale`, `weight`
+        is int8 with a float32 scale per output (modeling/quantization.py): widened inside the product."""
+        if scale is not None:
+            out = (F.linear(x, weight.to(x.dtype)).float() * scale).to(x.dtype)
+            return out if bias is None else out + bias
         return F.linear(x, weight, bias)
 
     def lm_head(self, h: torch.Tensor, weight: torch.Tensor, tied: bool) -> torch.Tensor:
@@ -271,11 +276,15 @@ class Weights(nn.Module):
     axes `lead` (the layer axis of stacked layers)."""
 
     def __init__(self, shape: tuple[int, ...], bias: bool = False, lead: tuple[int, ...] = (),
-                 fill: float | None = None, tile: int = 0):
+                 fill: float | None = None, tile: int = 0, quantized: bool = False):
         super().__init__()
-        self.tile = tile
-        weight = torch.empty(*lead, *((shape[0] // tile, shape[1], tile) if tile else shape))
-        self.weight = nn.Parameter(weight.fill_(fill) if fill is not None else nn.init.normal_(weight, std=0.02))
+        self.tile = 0 if quantized else tile
+        if quantized:  # int8 [out, in] and a float32 scale per output (modeling/quantization.py)
+            self.weight = nn.Parameter(torch.zeros(*lead, *shape, dtype=torch.int8), requires_grad=False)
+            self.scale = nn.Parameter(torch.ones(*lead, shape[0]), requires_grad=False)
+        else:
+            weight = torch.empty(*lead, *((shape[0] // tile, shape[1], tile) if tile else shape))
+            self.weight = nn.Parameter(weight.fill_(fill) if fill is not None else nn.init.normal_(weight, std=0.02))
         self.bias = nn.Parameter(torch.zeros(*lead, shape[0])) if bias else None
 
 
@@ -299,16 +308,20 @@ class DecoderLayer(nn.Module):
     """The weights of one decoder layer or, with `layers` > 0, of that many stacked along a leading axis (what
     `StaticDecoder` runs as one loop); `step` is one layer's math over one layer's weights."""
 
-    def __init__(self, spec: DecoderSpec, kernels: Kernels, layers: int = 0):
+    def __init__(self, spec: DecoderSpec, kernels: Kernels, layers: int = 0, quantized: bool = False):
         super().__init__()
         s, lead = spec, ((layers,) if layers else ())
         self.spec, self.kernels, self.stacked = spec, kernels, bool(layers)
         kv_width = s.num_kv_heads * s.head_dim
-        qkv_width, tiles = s.num_heads * s.head_dim + 2 * kv_width, kernels.weight_tile_for
+        qkv_width = s.num_heads * s.head_dim + 2 * kv_width
+
+        def projection(outputs: int, inputs: int, bias: bool) -> Weights:  # quantized where the export is
+            return Weights((outputs, inputs), bias, lead, tile=kernels.weight_tile_for(outputs), quantized=quantized)
+
         norm_bias = s.norm == "layer"
         self.input_norm = Weights((s.hidden_size,), norm_bias, lead=lead, fill=1.0)
-        self.qkv_proj = Weights((qkv_width, s.hidden_size), s.qkv_bias, lead, tile=tiles(qkv_width))
-        self.o_proj = Weights((s.hidden_size, s.num_heads * s.head_dim), s.o_bias, lead, tile=tiles(s.hidden_size))
+        self.qkv_proj = projection(qkv_width, s.hidden_size, s.qkv_bias)
+        self.o_proj = projection(s.hidden_size, s.num_heads * s.head_dim, s.o_bias)
         if s.qk_norm:
             self.q_norm = Weights((s.head_dim,), lead=lead, fill=1.0)
             self.k_norm = Weights((s.head_dim,), lead=lead, fill=1.0)
@@ -321,12 +334,11 @@ class DecoderLayer(nn.Module):
             self.experts_gate_up = Weights((s.num_experts, 2 * s.intermediate_size, s.hidden_size), lead=lead)
             self.experts_down = Weights((s.num_experts, s.hidden_size, s.intermediate_size), lead=lead)
         elif s.mlp == "gated":
-            self.gate_up_proj = Weights((2 * s.intermediate_size, s.hidden_size), s.mlp_bias, lead,
-                                        tile=tiles(2 * s.intermediate_size))
+            self.gate_up_proj = projection(2 * s.intermediate_size, s.hidden_size, s.mlp_bias)
         else:
-            self.up_proj = Weights((s.intermediate_size, s.hidden_size), s.mlp_bias, lead, tile=tiles(s.intermediate_size))
+            self.up_proj = projection(s.intermediate_size, s.hidden_size, s.mlp_bias)
         if s.mlp != "moe":
-            self.down_proj = Weights((s.hidden_size, s.intermediate_size), s.mlp_bias, lead, tile=tiles(s.hidden_size))
+            self.down_proj = projection(s.hidden_size, s.intermediate_size, s.mlp_bias)
 
     def weights(self) -> dict[str, torch.Tensor]:
         return dict(self.named_parameters())
@@ -346,7 +358,7 @@ class DecoderLayer(nn.Module):
         n_rep = s.num_heads // s.num_kv_heads
 
         def proj(x, name):
-            return kernels.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"), self.stacked)
+            return kernels.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"), self.stacked, w.get(f"{name}.scale"))
 
         def block_norm(x, name):
             return norm(x, w[f"{name}.weight"], w.get(f"{name}.bias"), s.norm, s.rms_norm_eps)
@@ -430,15 +442,17 @@ def mixture_of_experts(x: torch.Tensor, w: dict[str, torch.Tensor], s: DecoderSp
 class StaticDecoder(nn.Module):
     """Inference only: parameters never require grad (a layer loop cannot be exported through autograd)."""
 
-    def __init__(self, spec: DecoderSpec, kernels: Kernels | None = None):
+    def __init__(self, spec: DecoderSpec, kernels: Kernels | None = None, quantization: str | None = None):
         super().__init__()
-        self.spec = spec
+        self.spec, self.quantization = spec, quantization
         self.kernels = kernels = Kernels() if kernels is None else kernels
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        quantized = quantization is not None  # the layers' projections int8 (modeling/quantization.py)
         if kernels.stacked_layers:
-            self.layers = DecoderLayer(spec, kernels, layers=spec.num_layers)
+            self.layers = DecoderLayer(spec, kernels, layers=spec.num_layers, quantized=quantized)
         else:
-            self.layers = nn.ModuleList(DecoderLayer(spec, kernels) for _ in range(spec.num_layers))
+            self.layers = nn.ModuleList(DecoderLayer(spec, kernels, quantized=quantized)
+                                        for _ in range(spec.num_layers))
         if spec.positions == "learned":
             self.embed_positions = nn.Embedding(spec.max_positions, spec.hidden_size)
         self.norm = Norm(spec.hidden_size, spec.rms_norm_eps, spec.norm)
@@ -463,8 +477,9 @@ class StaticDecoder(nn.Module):
         return bool(self.spec.sliding_window) and 0 < len(self.spec.sliding_layers) < self.spec.num_layers
 
     def parameter_names(self) -> list[str]:
-        """Names filled from the checkpoint (the RoPE buffer is derived from the config)."""
-        return [name for name, _ in self.named_parameters()]
+        """Names filled from the checkpoint (the RoPE buffer is derived from the config, quantization scales from
+        the weights)."""
+        return [name for name, _ in self.named_parameters() if not name.endswith(".scale")]
 
     def tiled_weights(self) -> dict[str, int]:
         """The parameters stored tiled (`Kernels.weight_tile_for`), with their tile: what `arrange_weights` tiles."""

@@ -19,12 +19,12 @@ import torch
 from .decoder import DecoderSpec
 
 # Weight name suffix -> the axis (counted from the end) split across shards; every other weight is replicated.
-# Column-parallel projections split their outputs, row-parallel ones their inputs (their bias is added once, after
-# the partial sums are reduced).
+# Column-parallel projections split their outputs (and their int8 scales), row-parallel ones their inputs (their bias
+# and scales are applied whole).
 SHARDED_AXES = {
-    "qkv_proj.weight": -2, "qkv_proj.bias": -1,
-    "gate_up_proj.weight": -2, "gate_up_proj.bias": -1,
-    "up_proj.weight": -2, "up_proj.bias": -1,  # a plain MLP's (gpt2)
+    "qkv_proj.weight": -2, "qkv_proj.bias": -1, "qkv_proj.scale": -1,
+    "gate_up_proj.weight": -2, "gate_up_proj.bias": -1, "gate_up_proj.scale": -1,
+    "up_proj.weight": -2, "up_proj.bias": -1, "up_proj.scale": -1,  # a plain MLP's (gpt2)
     "o_proj.weight": -1, "down_proj.weight": -1,
     "lm_head.weight": -2,
     # every expert cut like a gated MLP: [experts, 2 I, H] by its outputs, [experts, H, I] by its inputs
@@ -92,12 +92,13 @@ class ShardLayout:
         q, kv, ffn = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
         out = {}
         for name, weight in weights.items():
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                axis = SHARDED_AXES["qkv_proj.weight" if name.endswith("weight") else "qkv_proj.bias"]
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "qkv_proj.scale")):
+                axis = SHARDED_AXES[f"qkv_proj.{name.rsplit('.', 1)[1]}"]
                 wq, wk, wv = weight.split([q, kv, kv], dim=axis)
                 wk, wv = (self._repeat_heads(w, axis) for w in (wk, wv))
                 weight = self._shard_major(torch.cat((wq, wk, wv), dim=axis), [q, wk.shape[axis], wv.shape[axis]], axis)
-            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias", "experts_gate_up.weight")):
+            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias", "gate_up_proj.scale",
+                                "experts_gate_up.weight")):
                 weight = self._shard_major(weight, [ffn, ffn], -2 if name.endswith("weight") else -1)
             out[name] = weight
         return out

@@ -93,7 +93,9 @@ class InductorBackend(Backend):
                 "(Debian/Ubuntu: `apt-get install g++`). Loading an already exported model needs none."
             )
 
-    def kernels(self, dtype: torch.dtype, batch_size: int) -> Lowering:
+    quantizations = ("int8",)
+
+    def kernels(self, dtype: torch.dtype, batch_size: int, quantization: str | None = None) -> Lowering:
         # Decode projections of up to DOT_KERNEL_ROWS rows: our dot kernel where it builds, else one fused multiply +
         # sum per row; prefill and larger batches: oneDNN (weights packed at load past the kernel's rows). Decode
         # attention: our kernel or fused reductions; prefill attention: SDPA in 128-token causal blocks.
@@ -104,11 +106,14 @@ class InductorBackend(Backend):
         isa = self.dot_kernel_isa(dtype)
         dot_rows = DOT_KERNEL_ROWS if isa and batch_size >= DOT_KERNEL_MIN_BATCH[isa] else 0
         attention_kernel = bool(isa)
-        packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) else 0
+        packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) and not quantization else 0
         tile = tuning.weight_tile(dtype)
-        tile = tile if TILED_ISA.get(dtype) == isa and batch_size <= dot_rows else 0
+        tile = tile if TILED_ISA.get(dtype) == isa and batch_size <= dot_rows and not quantization else 0
         # Tiles are read at decode by the dot kernel alone, at every width
+        # int8 projections: our int8 kernel wherever a dot kernel variant builds (it reads a quarter of float32's
+        # bytes, worth it at every batch size)
         return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "",
+                        int8_kernel=bool(quantization) and bool(isa),
                         matvec_rows=4,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
                         attention_kernel=attention_kernel, causal_block=128,
@@ -193,7 +198,8 @@ class InductorBackend(Backend):
 
         lowering = decoder.kernels
         options = {**inductor_options(),
-                   **c_shim_options(lowering.dot_rows, lowering.dot_isa, lowering.attention_kernel),
+                   **c_shim_options(lowering.dot_rows, lowering.dot_isa, lowering.attention_kernel,
+                                    int8=lowering.int8_kernel),
                    **parse_compiler_args(neuron_config.compiler_args)}
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="optimum-neuronx-aoti-") as build_dir:

@@ -26,6 +26,7 @@ KERNELS_DIR = Path(__file__).with_name("kernels")
 COMMON = "common.h"  # included by both kernels; spliced once in front of them
 ROWS_MATVEC = "rows_matvec.cpp"
 DECODE_ATTENTION = "decode_attention.cpp"
+INT8_MATVEC = "int8_matvec.cpp"
 # decode_attention's function is defined in that one source; its own entry only declares it.
 DECODE_ATTENTION_DECLARATION = ('"C" AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle, AtenTensorHandle, '
                                 "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, "
@@ -33,6 +34,11 @@ DECODE_ATTENTION_DECLARATION = ('"C" AOTITorchError aoti_torch_cpu_decode_attent
 # tiled_linear's function (prefill over tiled weights) is defined in rows_matvec.cpp too.
 TILED_LINEAR_DECLARATION = ('"C" AOTITorchError aoti_torch_cpu_tiled_linear(AtenTensorHandle, AtenTensorHandle, '
                             "AtenTensorHandle*, AtenTensorHandle*)")
+
+
+# int8_matvec's function (int8 weights) is defined in int8_matvec.cpp, spliced after the others.
+INT8_MATVEC_DECLARATION = ('"C" AOTITorchError aoti_torch_cpu_int8_matvec(AtenTensorHandle, AtenTensorHandle, '
+                           "AtenTensorHandle, AtenTensorHandle*)")
 
 
 def kernel_source(name: str) -> str:
@@ -49,7 +55,7 @@ def spliced_source(names: tuple[str, ...]) -> str:
 
 def kernel_digests() -> dict:
     return {name: hashlib.sha256(kernel_source(name).encode()).hexdigest()[:16]
-            for name in (COMMON, ROWS_MATVEC, DECODE_ATTENTION)}
+            for name in (COMMON, ROWS_MATVEC, DECODE_ATTENTION, INT8_MATVEC)}
 
 
 # The instruction sets rows_matvec.cpp has a variant for, best first: per dtype, what a CPU needs to run it (x86
@@ -83,19 +89,21 @@ def kernel_defines(isa: str, piece_bytes: int = -1, chunk_bytes: int = 0, tuning
 
 
 def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes: int = -1,
-                   chunk_bytes: int = 0) -> dict:
+                   chunk_bytes: int = 0, int8: bool = False) -> dict:
     """Inductor options that compile our kernels' variant for `isa` (a DOT_KERNEL_ISAS key) into the graph:
     `rows_matvec` (when the lowering uses it, dot_rows > 0) and, with `attention`, `decode_attention`.
     `piece_bytes` >= 0 overrides the variant's piece size of the input rows (0: whole rows); the tests use it to
     run the pieces' partial sums on a CPU whose variant takes rows whole. `chunk_bytes` > 0 overrides the size of the
     chunks of weight rows the threads take (rounded down to whole blocks, at least one); the tests use it to cut
-    many chunks from small weights."""
+    many chunks from small weights. `int8`: `int8_matvec` too (int8 weights)."""
     if not dot_rows and not attention:
         return {}
     defines = kernel_defines(isa, piece_bytes, chunk_bytes)
     # Inductor writes each string as `extern <string>;` inside an `extern "C" { ... }` block: `extern "C++" { ... }`
     # gives the source its own linkage block, in which the shim functions declare themselves extern "C".
     names = (ROWS_MATVEC, DECODE_ATTENTION) if attention else (ROWS_MATVEC,)
+    if int8:
+        names += (INT8_MATVEC,)
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items())
     source += spliced_source(names)
     source = '"C++" {\n' + source + "".join(f"\n#undef {name}" for name in defines) + "\n}"
@@ -103,4 +111,6 @@ def c_shim_options(dot_rows: int, isa: str, attention: bool = False, piece_bytes
              torch.ops.optimum_neuronx.tiled_linear.default: [TILED_LINEAR_DECLARATION]}
     if attention:
         shims[torch.ops.optimum_neuronx.decode_attention.default] = [DECODE_ATTENTION_DECLARATION]
+    if int8:
+        shims[torch.ops.optimum_neuronx.int8_matvec.default] = [INT8_MATVEC_DECLARATION]
     return {"aot_inductor.custom_ops_to_c_shims": shims}

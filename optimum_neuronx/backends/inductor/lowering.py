@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from ...modeling.decoder import Kernels
 from ...modeling.layout import weight_outputs
-from .ops import ROWS_MATVEC_DTYPES, decode_attention, onednn_linear, rows_matvec, tiled_linear
+from .ops import (INT8_MATVEC_ROWS, ROWS_MATVEC_DTYPES, decode_attention, int8_matvec, onednn_linear, rows_matvec,
+                  tiled_linear)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class Lowering(Kernels):
         stored tiled, [N / T, K, T] (modeling/layout.py): decode reads them through the dot
         kernel (which must then take every decode row: dot_rows at least the batch), prefill through
         `tiled_linear`.
+    int8_kernel: int8 projections (quantized exports) over at most INT8_MATVEC_ROWS rows are `int8_matvec` (ops.py),
+        for which the backend compiles its own kernel (variant `dot_isa`); otherwise one fused multiply + sum per
+        row reading the int8 weight (`matvec_rows`), and past those rows the weight widened one projection at a time
+        for oneDNN's linear.
     """
 
     dot_rows: int = 0
@@ -55,6 +60,7 @@ class Lowering(Kernels):
     attention_kernel: bool = False
     causal_block: int = 0
     weight_tile: int = 0
+    int8_kernel: bool = False
 
     @property
     def stacked_layers(self) -> bool:
@@ -87,12 +93,14 @@ class Lowering(Kernels):
                 "gemm_dtype": str(self.gemm_dtype).removeprefix("torch."), "onednn": self.onednn,
                 "packed_rows": self.packed_rows, "attention_tokens": self.attention_tokens,
                 "attention_kernel": self.attention_kernel, "causal_block": self.causal_block,
-                "weight_tile": self.weight_tile}
+                "weight_tile": self.weight_tile, "int8_kernel": self.int8_kernel}
 
     def weight_tile_for(self, outputs: int) -> int:
         return self.weight_tile if self.weight_tile and outputs % self.weight_tile == 0 else 0
 
-    def linear(self, x, weight, bias, stacked):
+    def linear(self, x, weight, bias, stacked, scale=None):
+        if scale is not None:
+            return project_int8(x, weight, scale, bias, self.for_layers(), constant_weight=not stacked)
         return project(x, weight, bias, self.for_layers(), constant_weight=not stacked)
 
     def lm_head(self, h, weight, tied):
@@ -175,6 +183,28 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def project_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 lowering: Lowering, constant_weight: bool = True) -> torch.Tensor:
+    """`F.linear(x, weight * scale[:, None], bias)` for an int8 weight [N, K] with float32 scales [N], computed as
+    `lowering` says: decode rows through `int8_matvec` or a multiply + sum per row that widens each weight element as
+    it reads it (never a wider copy of the weight); more rows (prefill) through `project` on the weight widened to
+    x's dtype, one projection at a time (a temporary buffer, freed after the product)."""
+    rows, outputs = x.numel() // x.shape[-1], weight.shape[0]
+    flat = x.reshape(rows, x.shape[-1])
+    if lowering.int8_kernel and rows <= INT8_MATVEC_ROWS and x.dtype in ROWS_MATVEC_DTYPES:
+        out = int8_matvec(flat, weight, scale)
+    elif rows <= lowering.matvec_rows:
+        flat = _materialized(flat.float())
+        out = (torch.stack([(weight.float() * row).sum(-1) for row in flat.unbind(0)]) * scale).to(x.dtype)
+    else:
+        out = project(flat, weight.to(x.dtype), None, replace(lowering, dot_rows=0, packed_rows=0),
+                      constant_weight=False)
+        out = (out.float() * scale).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], outputs)
 
 
 def reduced_attention(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],

@@ -1,6 +1,6 @@
 """The inductor backend's custom ops: an eager definition (what torch.export traces) and a fake one for shapes.
 
-AOTInductor compiles `rows_matvec`, `tiled_linear` and `decode_attention` into the graphs as our own C++ kernels
+AOTInductor compiles `rows_matvec`, `tiled_linear`, `int8_matvec` and `decode_attention` into the graphs as our own C++ kernels
 (custom_kernels.py); `onednn_linear` is oneDNN's linear behind the dispatcher. Weights are plain [N, K] or tiled
 [N / T, K, T] (modeling/layout.py).
 """
@@ -75,6 +75,32 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> to
                          f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} and "
                          f"{None if bias is None else (tuple(bias.shape), bias.dtype)}")
     return x.new_empty(x.shape[0], outputs)
+
+
+# The most rows of x int8_matvec's kernel takes in one pass over the weight.
+INT8_MATVEC_ROWS = 4
+
+
+@torch.library.custom_op("optimum_neuronx::int8_matvec", mutates_args=())
+def int8_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight * scale[:, None])` for a few rows x [R, K] (bfloat16 or float32) and an int8 weight
+    [N, K] with float32 scales [N] (symmetric, per output channel) -> [R, N] in x's dtype, float32 sums.
+
+    The compiled kernel (kernels/int8_matvec.cpp) reads each int8 weight row once for all rows of x and widens it
+    in registers; this eager definition (what torch.export traces, and the portable reference) dequantizes.
+    """
+    return (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
+
+
+@int8_matvec.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > INT8_MATVEC_ROWS
+            or weight.dtype != torch.int8 or scale.dtype != torch.float32 or tuple(scale.shape) != (weight.shape[0],)
+            or x.dtype not in ROWS_MATVEC_DTYPES):
+        raise ValueError(f"int8_matvec takes x [R <= {INT8_MATVEC_ROWS}, K] bfloat16 or float32, weight [N, K] int8 "
+                         f"and scale [N] float32; got {tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} "
+                         f"{weight.dtype}, {tuple(scale.shape)} {scale.dtype}")
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("optimum_neuronx::decode_attention", mutates_args=())

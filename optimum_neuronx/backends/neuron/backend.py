@@ -52,7 +52,9 @@ class NeuronBackend(Backend):
     targets_neuron_cores = True
     shards = True
 
-    def kernels(self, dtype: torch.dtype, batch_size: int) -> NeuronKernels:
+    quantizations = ("int8",)  # int8 weights widened inside each projection (Kernels.linear), which XLA fuses
+
+    def kernels(self, dtype: torch.dtype, batch_size: int, quantization: str | None = None) -> NeuronKernels:
         return NeuronKernels()
 
     def check_toolchain(self) -> None:
@@ -182,7 +184,7 @@ def _sharded_decoder(decoder: StaticDecoder, layout: ShardLayout) -> StaticDecod
     if layout.shards == 1:
         return decoder
     with torch.device("meta"):
-        sharded = StaticDecoder(layout.sharded_spec(decoder.spec), NeuronKernels(layout.shards))
+        sharded = StaticDecoder(layout.sharded_spec(decoder.spec), NeuronKernels(layout.shards), decoder.quantization)
     sharded.load_state_dict(layout.arrange(decoder.state_dict()), strict=True, assign=True)
     return sharded.eval()
 
