@@ -134,6 +134,10 @@ class GraphSpec:
     def name(self) -> str:
         return f"{self.kind}_{self.window}"
 
+    def samples(self, on_device_sampling: bool) -> bool:
+        """Whether this graph picks tokens too, in an export with `on_device_sampling` (verification graphs never)."""
+        return on_device_sampling and self.kind != "verify"
+
     @property
     def logits_positions(self) -> int:
         """Positions per sequence the graph returns logits for: every new token of a verification graph, else one."""
@@ -169,8 +173,11 @@ class NeuronConfig:
     # last accepted token and up to this many drafted ones in one pass (generate's prompt_lookup_num_tokens or
     # assistant_model), batch_size 1 only.
     speculation_length: int = 0
-    # Weight-only quantization of the layers' projections (modeling/quantization.py QUANTIZATIONS): "int8", or None.
+    # Weight-only quantization of the layers' projections (modeling/quantization.py): "int8", or None.
     quantization: Optional[str] = None
+    # The context and token graphs also pick the next token (greedy, temperature, top-k, top-p: modeling/sampling.py)
+    # and generate uses those tokens where the request asks for nothing more (optimum-neuron's name).
+    on_device_sampling: bool = False
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -206,6 +213,8 @@ class NeuronConfig:
                 raise ValueError(f"speculation_length={self.speculation_length} leaves no room in sequence_length="
                                  f"{seq}: a verification pass takes speculation_length + 1 tokens. Use "
                                  f"speculation_length <= {max(seq - 2, 0)}.")
+        if not isinstance(self.on_device_sampling, bool):
+            raise ValueError(f"on_device_sampling must be True or False, got {self.on_device_sampling!r}.")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"Unknown quantization {self.quantization!r}; supported: {', '.join(QUANTIZATIONS)} "
                              f"(weight-only, one scale per output channel), or None for none.")

@@ -32,6 +32,7 @@ from .configuration import GraphSpec, NeuronConfig, canonical_dtype
 from .exporters.registry import get_export_config
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
 from .modeling.decoder import StaticDecoder
+from .modeling.sampling import MAX_TOP_K, SAMPLING_FIELDS
 from .weights_io import load_weights
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ NEURON_KWARGS = {
     "tensor_parallel_size": "tp_degree",  # optimum-neuron's name
     "speculation_length": "speculation_length",
     "quantization": "quantization",
+    "on_device_sampling": "on_device_sampling",
 }
 
 
@@ -120,6 +122,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         self._check_graph_inputs(tuple(kv.shape))
         self._handle: Optional[CacheHandle] = None
         self._step = DecodeStepInputs(neuron_config.batch_size)
+        self._sampler = None  # (top_k, top_p, temperature) while a generate is served by on-device sampling
         # One generate (or forward) at a time: calls share the KV cache, and an AOTInductor runner keeps the GIL
         # while it waits for a graph another thread is running, which would deadlock the process.
         self._lock = threading.RLock()
@@ -142,7 +145,12 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                 continue
             given = [[list(t.shape), str(t.dtype).removeprefix("torch.")]
                      for t in StaticDecoder.example_inputs(nc.batch_size, spec.tokens, spec.window, kv_cache,
-                                                             spec.logits_positions)]
+                                                             spec.logits_positions,
+                                                             spec.samples(nc.on_device_sampling))]
+            if len(compiled) != len(given):
+                raise ArtifactError(f"graph {spec.name} was compiled for {len(compiled)} inputs, but this export's "
+                                    f"neuron_config.json gives it {len(given)}: the export was edited after it was "
+                                    f"compiled. Re-export the model.")
             for input_name, expected, actual in zip(StaticDecoder.INPUT_NAMES, compiled, given):
                 if [list(expected[0]), expected[1]] != actual:
                     raise ArtifactError(
@@ -373,11 +381,14 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
 
 
-    def generate(self, inputs=None, generation_config=None, truncate_to_sequence_length: bool = False, **kwargs):
+    def generate(self, inputs=None, generation_config=None, truncate_to_sequence_length: bool = False,
+                 on_device_sampling: Optional[bool] = None, **kwargs):
         """Transformers' generate, after checking the request fits the compiled shapes.
 
         A request longer than `sequence_length` is an error; with `truncate_to_sequence_length=True`
-        max_new_tokens is lowered to fit instead, and a warning says so.
+        max_new_tokens is lowered to fit instead, and a warning says so. In an export with on-device sampling, the
+        graphs pick the tokens wherever the request asks only for greedy search or sampling with temperature, top_k
+        and top_p (`on_device_sampling=True`: an error otherwise; False: always on the logits).
         """
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError(_NO_INPUTS_EMBEDS)
@@ -403,12 +414,43 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise RuntimeError("generate was called on this model while its own generate is running in the same thread "
                                "(e.g. from a streamer or stopping criterion): both would share one KV cache. Call it "
                                "after the outer generate returns, or load a second model for the inner one.")
+        sampler = self._on_device_request(config, kwargs, on_device_sampling)
+        if sampler is not None:  # generate searches greedily over the logits _picked returns (warpers at defaults)
+            kwargs.update(do_sample=False, temperature=1.0, top_k=50, top_p=1.0)
         with self._lock, self._drafting(kwargs.get("assistant_model")):
-            self._generating.active = True
+            self._generating.active, self._sampler = True, sampler
             try:
                 return super().generate(inputs, generation_config=generation_config, **kwargs)
             finally:
-                self._generating.active = False
+                self._generating.active, self._sampler = False, None
+
+    def _on_device_request(self, config: GenerationConfig, kwargs: dict, asked: Optional[bool]):
+        """(top_k, top_p, temperature) for the sampling graphs when this request asks only for what they do (greedy
+        search, or sampling with temperature, top_k <= MAX_TOP_K and top_p) and on-device sampling is not turned
+        off (`asked` False); else None, the logits path (a debug log says why). `asked` True makes that an error."""
+        if asked is False:
+            return None
+        if not self.neuron_config.on_device_sampling:
+            if asked:
+                raise ValueError("on_device_sampling=True, but this export's graphs return logits only. Re-export "
+                                 "with on_device_sampling=True, or leave on_device_sampling unset.")
+            return None
+        unable = on_device_blockers(config, kwargs, self._vocab_size)
+        if unable:
+            if asked:
+                raise ValueError(f"on_device_sampling=True, but the graphs cannot do {', '.join(unable)}: they pick "
+                                 f"tokens by greedy search, or by sampling with temperature, top_k (1 to "
+                                 f"{MAX_TOP_K}, or 0 with top_p=1) and top_p. Drop those options, or leave "
+                                 f"on_device_sampling unset to run them on the logits.")
+            logger.debug("On-device sampling not used for this request (%s): it runs on the logits.",
+                         ", ".join(unable))
+            return None
+        if not config.do_sample:
+            return (0.0, 1.0, 0.0)
+        top_k = config.top_k if config.top_k is not None else 50
+        top_k = 0 if top_k >= self._vocab_size else top_k
+        return (float(top_k), float(1.0 if config.top_p is None else config.top_p),
+                float(1.0 if config.temperature is None else config.temperature))
 
     @contextlib.contextmanager
     def _drafting(self, assistant):
@@ -589,9 +631,10 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         positions = torch.zeros(nc.batch_size, bucket, dtype=torch.long)
         positions[:b, :n] = (mask.long().cumsum(-1) - 1).clamp(min=0)
         last = torch.full((nc.batch_size,), n - 1, dtype=torch.long)
-        logits = self._graphs[f"context_{bucket}"](
-            [ids, positions, torch.zeros(1, dtype=torch.long), cache.valid_window(bucket), last, cache.kv]
-        )
+        logits = self._picked(self._graphs[f"context_{bucket}"](
+            [ids, positions, torch.zeros(1, dtype=torch.long), cache.valid_window(bucket), last, cache.kv,
+             *self._sampling_input()]
+        ))
         self._handle = CacheHandle(cache, n)
         return logits[:b, None, :]
 
@@ -658,11 +701,64 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         torch.sum(valid, dim=-1, out=step.positions[:b, 0])
         step.positions[:b].sub_(1).clamp_(min=0)
         step.slot.fill_(slot)
-        logits = self._graphs[f"token_{window}"](
-            [step.ids, step.positions, step.slot, cache.valid_window(window), step.last, cache.kv]
-        )
+        logits = self._picked(self._graphs[f"token_{window}"](
+            [step.ids, step.positions, step.slot, cache.valid_window(window), step.last, cache.kv,
+             *self._sampling_input()]
+        ))
         handle.length = slot + 1
         return logits[:b, None]
+
+    def _sampling_input(self) -> tuple:
+        """The sampling graphs' last input, [batch, 4] (modeling/sampling.py): this generate's request with a fresh
+        uniform draw per row from torch's generator, or greedy; () where the graphs do not sample."""
+        if not self.neuron_config.on_device_sampling:
+            return ()
+        rows = self.neuron_config.batch_size
+        if self._sampler is None:
+            return (torch.zeros(rows, len(SAMPLING_FIELDS)),)
+        return (torch.cat([torch.tensor(self._sampler).expand(rows, 3), torch.rand(rows, 1)], dim=1),)
+
+    def _picked(self, outputs) -> torch.Tensor:
+        """A graph's logits; during a generate served by on-device sampling, logits that put every row's picked
+        token first (0, every other token the float32 minimum): generate's greedy search then takes that token."""
+        if not isinstance(outputs, tuple):
+            return outputs
+        logits, tokens = outputs
+        if self._sampler is None:
+            return logits
+        picked = torch.full(logits.shape, torch.finfo(torch.float32).min)
+        return picked.scatter_(1, tokens.long()[:, None], 0.0)
+
+
+# GenerationConfig fields that add a logits processor or ask for the logits themselves: what the sampling graphs do not.
+_HOST_ONLY_FIELDS = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
+                     "encoder_no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
+                     "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
+                     "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "guidance_scale", "typical_p",
+                     "min_p", "top_h", "epsilon_cutoff", "eta_cutoff", "renormalize_logits", "remove_invalid_values",
+                     "watermarking_config", "output_scores", "output_logits", "prompt_lookup_num_tokens",
+                     "penalty_alpha", "dola_layers")
+_HOST_ONLY_KWARGS = ("assistant_model", "logits_processor", "prefix_allowed_tokens_fn", "negative_prompt_ids",
+                     "custom_generate")
+
+
+def on_device_blockers(config: GenerationConfig, kwargs: dict, vocab_size: int) -> list[str]:
+    """What a generate request asks for that the sampling graphs cannot do, as `name=value` strings."""
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", lambda: {})()
+    unable = [f"{name}={getattr(config, name)!r}" for name in _HOST_ONLY_FIELDS
+              if getattr(config, name, None) not in (None, defaults.get(name))
+              and not (name == "guidance_scale" and getattr(config, name) == 1)]
+    unable += [name for name in _HOST_ONLY_KWARGS if kwargs.get(name)]
+    if (config.num_beams or 1) > 1:
+        unable.append(f"num_beams={config.num_beams}")
+    if config.do_sample:
+        top_k = config.top_k if config.top_k is not None else 50
+        top_p = 1.0 if config.top_p is None else config.top_p
+        if MAX_TOP_K < top_k < vocab_size:
+            unable.append(f"top_k={top_k} (more than {MAX_TOP_K})")
+        if (top_k == 0 or top_k >= vocab_size) and top_p < 1.0:
+            unable.append(f"top_p={top_p} without top_k")
+    return unable
 
 
 AutoConfig.register(NeuronCausalLMConfig.model_type, NeuronCausalLMConfig, exist_ok=True)

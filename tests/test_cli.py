@@ -107,3 +107,20 @@ def test_export_smollm2_through_the_cli(smollm2_checkpoint, tmp_path):
     verify = run(OPTIMUM_CLI, "neuron", "verify", str(output), "--max_new_tokens", "48")
     assert verify.returncode == 0, verify.stdout + verify.stderr[-2000:]
     assert "greedy tokens match over 48 new tokens" in verify.stdout
+
+
+def test_speed_options_reach_the_neuron_config():
+    import argparse
+
+    from optimum_neuronx.commands.export import add_export_arguments, neuron_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    args = parser.parse_args(["--model", "m", "out", "--batch_size", "1", "--sequence_length", "256",
+                              "--speculation_length", "3", "--quantization", "int8", "--on_device_sampling"])
+    config = neuron_config_from_args(args)
+    assert (config.speculation_length, config.quantization, config.on_device_sampling) == (3, "int8", True)
+    plain = neuron_config_from_args(parser.parse_args(["--model", "m", "out"]))
+    assert (plain.speculation_length, plain.quantization, plain.on_device_sampling) == (0, None, False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "out", "--quantization", "int4"])

@@ -75,6 +75,9 @@ def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=("int8",),
                         help="weight-only quantization of the layers' projections: int8, one scale per output channel "
                              "(default: none)")
+    parser.add_argument("--on_device_sampling", action="store_true", default=None,
+                        help="the graphs also pick the next token (greedy, temperature, top-k, top-p), which generate "
+                             "uses when a request asks for nothing more")
     parser.add_argument("--compiler_args", action="append", default=[], metavar="ARG",
                         help="backend option, repeatable; inductor: NAME=VALUE, a torch._inductor.config option; "
                              "neuron: a neuronx-cc flag, e.g. --compiler_args=-O3")
@@ -116,7 +119,8 @@ def neuron_config_from_args(args: argparse.Namespace, config=None):
                    token_buckets=args.token_buckets, compiler_args=tuple(compiler_args),
                    instance_type=getattr(args, "instance_type", None),
                    speculation_length=getattr(args, "speculation_length", None),
-                   quantization=getattr(args, "quantization", None))
+                   quantization=getattr(args, "quantization", None),
+                   on_device_sampling=getattr(args, "on_device_sampling", None))
     if config is not None:
         return NeuronConfig.for_model(config, **options)
     return NeuronConfig(**{k: v for k, v in options.items() if v is not None})

@@ -4,6 +4,7 @@ A single forward serves both graphs:
 
     forward(input_ids[B, T], position_ids[B, T], cache_start[1], key_valid[B, W], last_index[B], kv_cache)
         -> logits[B, V] (float32)
+    (with on-device sampling, a last input sampling[B, 4] and the picked tokens [B] returned after the logits)
 
 * context encoding: T = W = prompt bucket, cache_start = 0;
 * token generation: T = 1, W = token-generation bucket, cache_start = the slot the token is written to;
@@ -32,6 +33,7 @@ from torch import nn
 from torch._higher_order_ops.scan import scan
 
 from .layout import tile_weight
+from .sampling import SAMPLING_FIELDS, sample_tokens
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -492,15 +494,17 @@ class StaticDecoder(nn.Module):
         return {name: tile_weight(w, tiled[name]) if name in tiled else w for name, w in weights.items()}
 
     # forward's inputs, in order: every graph takes them so.
-    INPUT_NAMES = ("input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache")
+    # (on-device sampling graphs take "sampling" too: modeling/sampling.py)
+    INPUT_NAMES = ("input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache", "sampling")
 
     @staticmethod
     def example_inputs(batch_size: int, tokens: int, window: int, kv_cache: torch.Tensor,
-                       logits_positions: int = 1) -> tuple:
+                       logits_positions: int = 1, sampling: bool = False) -> tuple:
         """Inputs of the graph for `tokens` new tokens per sequence over a `window` of the cache (INPUT_NAMES);
-        `logits_positions` > 1: last_index [B, positions], logits at each (a verification graph)."""
+        `logits_positions` > 1: last_index [B, positions], logits at each (a verification graph); `sampling`: the
+        graph picks each row's next token too (on-device sampling)."""
         last_index = torch.zeros(batch_size, *((logits_positions,) if logits_positions > 1 else ()), dtype=torch.long)
-        return (
+        inputs = (
             torch.zeros(batch_size, tokens, dtype=torch.long),  # input_ids
             torch.zeros(batch_size, tokens, dtype=torch.long),  # position_ids
             torch.zeros(1, dtype=torch.long),  # cache_start
@@ -508,6 +512,7 @@ class StaticDecoder(nn.Module):
             last_index,
             kv_cache,
         )
+        return (*inputs, torch.zeros(batch_size, len(SAMPLING_FIELDS))) if sampling else inputs
 
     def _masks(self, allowed, fresh, dtype, n_rep):
         """The additive attention masks (pieces, `attention_masks`) of `allowed` [B, 1, T, W] and of the new tokens
@@ -516,7 +521,7 @@ class StaticDecoder(nn.Module):
             return attention_masks(_additive(allowed, dtype), n_rep, self.kernels.causal_block), None
         return attention_masks(_additive(allowed, dtype), n_rep), attention_masks(_additive(fresh, dtype), n_rep)[0]
 
-    def forward(self, input_ids, position_ids, cache_start, key_valid, last_index, kv_cache):
+    def forward(self, input_ids, position_ids, cache_start, key_valid, last_index, kv_cache, sampling=None):
         B, T = input_ids.shape
         W = key_valid.shape[1]
         dtype = self.embed_tokens.weight.dtype
@@ -673,4 +678,5 @@ class StaticDecoder(nn.Module):
         if self.spec.logits_scaling != 1.0:
             logits = logits / self.spec.logits_scaling
         cap = self.spec.final_logit_softcapping
-        return (torch.tanh(logits / cap) * cap if cap else logits).float()
+        logits = (torch.tanh(logits / cap) * cap if cap else logits).float()
+        return logits if sampling is None else (logits, sample_tokens(logits, sampling))

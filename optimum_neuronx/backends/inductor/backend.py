@@ -350,8 +350,9 @@ def _signature(runner, graph_name: str) -> dict:
 
 def _fast_call(loader) -> Callable[[list], torch.Tensor]:
     # The flat entry point: AOTICompiledModel.__call__ would re-parse its pytree spec on every call.
-    def call(flat_inputs: list) -> torch.Tensor:
-        return loader.boxed_run(flat_inputs)[0]
+    def call(flat_inputs: list):
+        outputs = loader.boxed_run(flat_inputs)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)  # logits (and the tokens a sampling graph picks)
 
     return call
 

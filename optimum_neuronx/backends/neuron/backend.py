@@ -90,7 +90,8 @@ class NeuronBackend(Backend):
         def lower(graph: GraphSpec) -> tuple[StableHLOGraph, float]:
             start = time.perf_counter()
             inputs = sharded.example_inputs(neuron_config.batch_size, graph.tokens, graph.window, cache,
-                                            graph.logits_positions)
+                                            graph.logits_positions,
+                                            graph.samples(neuron_config.on_device_sampling))
             with torch.no_grad():
                 lowered = lower_graph(sharded, inputs, graph.name)
             return lowered, time.perf_counter() - start
@@ -260,7 +261,8 @@ class NeuronGraph:
         self._cache_output = executable.graph.outputs.index("kv_cache")
         # The decoder's inputs as compiled (PJRT also refuses buffers of other shapes at every call).
         self.input_signature = [[list(a.shape), a.dtype] for a in executable.graph.arguments if a.kind == "input"]
-        self._logits_output = executable.graph.outputs.index("logits")
+        # The logits, then any other result (the tokens an on-device sampling graph picks)
+        self._results = [i for i, name in enumerate(executable.graph.outputs) if name != "kv_cache"]
 
     def __call__(self, inputs: list) -> torch.Tensor:
         given = dict(zip(StaticDecoder.INPUT_NAMES, inputs))
@@ -269,7 +271,8 @@ class NeuronGraph:
         outputs = self.executable([self._weights[name] if name in self._weights else given[name]
                                    for name in self._inputs])
         cache.buffer = outputs[self._cache_output]
-        return to_torch(outputs[self._logits_output])
+        results = [to_torch(outputs[i]) for i in self._results]
+        return results[0] if len(results) == 1 else tuple(results)
 
 
 class DeviceKVCache:
