@@ -47,7 +47,7 @@ from typing import Callable
 
 import torch
 # this script's directory is on sys.path when it runs
-from bench_report import OUR_BACKENDS, SYSTEMS, fastest_gb_s, label_repeats, markdown, plot
+from bench_report import EXPORT_OPTIONS, OUR_BACKENDS, SYSTEMS, fastest_gb_s, label_repeats, markdown, plot
 
 from optimum_neuronx.configuration import TORCH_DTYPES
 
@@ -217,14 +217,17 @@ def export_for_batch(job: dict, batch_size: int, prompts: list[int]) -> Path:
     from optimum_neuronx import NeuronModelForCausalLM
 
     checkpoint, dtype, backend = Path(job["checkpoint"]), job["dtype"], OUR_BACKENDS[job["system"]]
+    options = EXPORT_OPTIONS.get(job["system"], {})
     decode_length = prompts[0] + job["new_tokens"]
     sequence_length = max(decode_length, prompts[-1] + 1)
-    export_dir = Path(job["work"]) / f"{checkpoint.name}-{dtype}-{backend}-b{batch_size}-p{'_'.join(map(str, prompts))}"
+    variant = "".join(f"-{value if isinstance(value, str) else name}" for name, value in options.items())
+    export_dir = Path(job["work"]) / (f"{checkpoint.name}-{dtype}-{backend}{variant}-b{batch_size}-"
+                                      f"p{'_'.join(map(str, prompts))}")
     if not (export_dir / "neuron_config.json").exists():
         NeuronModelForCausalLM.from_pretrained(
             checkpoint, export=True, compile_cache=False, batch_size=batch_size, sequence_length=sequence_length,
             context_buckets=prompts, token_buckets=sorted({decode_length, sequence_length}), auto_cast_type=dtype,
-            backend=backend,
+            backend=backend, **options,
         ).save_pretrained(export_dir)
     return export_dir
 
@@ -238,8 +241,13 @@ def greedy_matches_eager(model, job: dict, batch_size: int) -> str:
 
     from optimum_neuronx.verification import compare_generation
 
+    from optimum_neuronx.verification import reference_from_artifact
+
     checkpoint, dtype = Path(job["checkpoint"]), TORCH_DTYPES[job["dtype"]]
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
+    if model.neuron_config.quantization:  # the model the export computes: its int8-rounded weights
+        reference = reference_from_artifact(model.artifact_dir).to(dtype)
+    else:
+        reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
     inputs = prompt_inputs(checkpoint, batch_size, min(job["prompt_tokens"]), model.config.vocab_size)
     return compare_generation(reference, model, **inputs, max_new_tokens=min(16, job["new_tokens"])).verdict
 
@@ -506,24 +514,84 @@ def bandwidth_summary(samples: list[dict]) -> dict:
             "bound_max_gb_s": max(fastest), "samples": samples}
 
 
-def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_tokens: int) -> int:
+def bytes_per_decode_step(checkpoint: Path, dtype: str, batch_size: int, cached_tokens: int,
+                          quantization: str | None = None) -> int:
     from transformers import AutoConfig
 
     from optimum_neuronx import NeuronConfig
     from optimum_neuronx.exporters import get_export_config
-    from optimum_neuronx.memory import parameter_count
+    from optimum_neuronx.memory import weight_bytes
 
     config = AutoConfig.from_pretrained(checkpoint)
-    spec = get_export_config(config.model_type).decoder_spec(config, NeuronConfig(
-        sequence_length=cached_tokens, context_buckets=[cached_tokens], token_buckets=[cached_tokens]))
-    size = NeuronConfig(auto_cast_type=dtype).torch_dtype.itemsize
+    neuron_config = NeuronConfig(sequence_length=cached_tokens, context_buckets=[cached_tokens],
+                                 token_buckets=[cached_tokens], auto_cast_type=dtype, quantization=quantization)
+    spec = get_export_config(config.model_type).decoder_spec(config, neuron_config)
+    size = neuron_config.torch_dtype.itemsize
     kv = 2 * spec.num_layers * batch_size * cached_tokens * spec.num_kv_heads * spec.head_dim * size
     # An untied embedding table is only gathered from (one row per token), not streamed.
     gathered = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
     if spec.mlp == "moe":  # a step reads the experts its tokens pick, at most batch_size * top-k of them a layer
         unread = spec.num_experts - min(spec.num_experts, batch_size * spec.experts_per_token)
         gathered += unread * 3 * spec.intermediate_size * spec.hidden_size * spec.num_layers
-    return (parameter_count(spec) - gathered) * size + kv
+    return weight_bytes(spec, neuron_config) - gathered * size + kv  # int8 projections at 1 byte (+ scales)
+
+
+# Speculation by prompt lookup: a request whose answer repeats its prompt (rewrite a paragraph), SmolLM2 chat.
+REWRITE_PARAGRAPH = (
+    "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its keeper climbed "
+    "the narrow stairs to light the lamp, and every morning he wrote in his logbook the ships he had seen pass. When "
+    "the keeper grew old, the town decided to replace the lamp with an automatic light, but the people still climbed "
+    "the hill on summer evenings to watch the beam sweep across the dark water.")
+REWRITE_REQUEST = "Rewrite the following paragraph in the past perfect tense, keeping every sentence:\n\n"
+
+
+def measure_prompt_lookup(work: Path, speculation_length: int, new_tokens: int, repeats: int) -> dict:
+    """SmolLM2 fp32, batch 1, on the rewrite request: plain greedy decoding and greedy with prompt lookup
+    (generate(prompt_lookup_num_tokens=k) on an export with verification graphs for k drafted tokens), repeats
+    alternating; tokens/s over the whole generation, whether the text is identical, and the share of drafted tokens
+    accepted."""
+    from transformers import AutoTokenizer
+
+    from optimum_neuronx import NeuronModelForCausalLM
+
+    checkpoint = model_checkpoint("smollm2", work)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": REWRITE_REQUEST + REWRITE_PARAGRAPH}],
+                                         add_generation_prompt=True, tokenize=False)
+    inputs = tokenizer(text, return_tensors="pt")
+    prompt = inputs["input_ids"].shape[1]
+    model = NeuronModelForCausalLM.from_pretrained(
+        checkpoint, export=True, compile_cache=False, batch_size=1, sequence_length=512, context_buckets=[256],
+        token_buckets=[256, 512], speculation_length=speculation_length)
+    passes = []
+    forward = model.forward
+
+    def counted(*args, **kwargs):  # the target's passes after the prompt: each scores 1 + drafted tokens
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            passes.append(ids.shape[1])
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    runs = {"greedy": {}, "prompt lookup": {"prompt_lookup_num_tokens": speculation_length}}
+    seconds, outputs = {name: [] for name in runs}, {}
+    for name, extra in runs.items():  # warm-up
+        model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, **extra)
+    for _ in range(repeats):
+        for name, extra in runs.items():
+            passes.clear()
+            start = time.perf_counter()
+            outputs[name] = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, **extra)
+            seconds[name].append(time.perf_counter() - start)
+    generated = outputs["greedy"].shape[1] - prompt
+    drafted = sum(n - 1 for n in passes)
+    accepted = generated - 1 - len(passes)  # each pass yields its accepted drafts + 1 token
+    rates = {name: generated / statistics.median(times) for name, times in seconds.items()}
+    return {"model": "smollm2", "dtype": "fp32", "speculation_length": speculation_length, "prompt_tokens": prompt,
+            "new_tokens": generated, "greedy_tok_s": rates["greedy"], "prompt_lookup_tok_s": rates["prompt lookup"],
+            "speedup": rates["prompt lookup"] / rates["greedy"],
+            "identical_text": bool(torch.equal(outputs["greedy"], outputs["prompt lookup"])),
+            "acceptance": accepted / drafted if drafted else 0.0, "passes": len(passes)}
 
 
 def environment() -> dict:
@@ -551,6 +619,10 @@ def main():
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--work-dir", type=Path, default=None, help="checkpoints and exports (default: temporary)")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds one (model, dtype, system) may take")
+    parser.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
+                        help="also time speculation by prompt lookup (K drafted tokens a pass) against plain greedy, "
+                             "SmolLM2 fp32 batch 1 on a rewrite request")
+    parser.add_argument("--only-prompt-lookup", action="store_true", help="skip the systems: --prompt-lookup only")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # internal: run one system in this process
     args = parser.parse_args()
     if args.job:
@@ -561,6 +633,10 @@ def main():
                      "needs at least 2 (default 64)")
     if args.quick:
         args.models, args.dtypes, args.batch_sizes, args.prompt_tokens = ["smollm2"], ["fp32"], [1], [128]
+    if args.only_prompt_lookup:
+        if not args.prompt_lookup:
+            parser.error("--only-prompt-lookup needs --prompt-lookup K")
+        args.models = []
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     env = environment()
@@ -592,18 +668,27 @@ def main():
                         row = dict(model=model_name, dtype=dtype, batch_size=batch_size, system=system, **numbers)
                         if "bandwidth" in numbers:
                             step_bytes = bytes_per_decode_step(checkpoint, dtype, batch_size,
-                                                               min(args.prompt_tokens) + args.new_tokens // 2)
+                                                               min(args.prompt_tokens) + args.new_tokens // 2,
+                                                               EXPORT_OPTIONS.get(system, {}).get("quantization"))
                             row["tok_s_per_gb_s"] = 1e9 / step_bytes * batch_size
                             row["bound_tok_s"] = numbers["bandwidth"]["bound_gb_s"] * row["tok_s_per_gb_s"]
                         rows.append(row)
+        lookup = measure_prompt_lookup(work, args.prompt_lookup, 128, args.repeats) if args.prompt_lookup else None
     label_repeats(rows)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=2))
+    (args.output_dir / "results.json").write_text(json.dumps({"environment": env, "results": rows,
+                                                              "prompt_lookup": lookup}, indent=2))
     table = markdown(rows)
     (args.output_dir / "results.md").write_text(table + "\n")
     plot(rows, args.output_dir / "results.png")
     print(json.dumps(env))
     print(table)
+    if lookup:
+        print(f"prompt lookup (k={lookup['speculation_length']}), SmolLM2 fp32 batch 1, rewrite request: "
+              f"{lookup['prompt_lookup_tok_s']:.1f} tok/s vs greedy {lookup['greedy_tok_s']:.1f} "
+              f"({lookup['speedup']:.2f}x), {lookup['new_tokens']} new tokens in {lookup['passes']} passes, "
+              f"{100 * lookup['acceptance']:.0f}% of drafted tokens accepted, identical text: "
+              f"{lookup['identical_text']}")
     for r in rows:  # one export per (model, dtype, batch size)
         if "compile_s_per_graph" in r:
             pages = (f", weights in huge pages {100 * r['weights_huge_page_share']:.0f}%"

@@ -12,8 +12,12 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
-# Our systems, each one of the package's backends.
-OUR_BACKENDS = {"optimum-neuronx (inductor)": "inductor", "optimum-neuronx (neuron)": "neuron"}
+# Our systems: one of the package's backends, some with export options beyond the dtype.
+OUR_BACKENDS = {"optimum-neuronx (inductor)": "inductor", "optimum-neuronx (neuron)": "neuron",
+                "optimum-neuronx (inductor, int8)": "inductor",
+                "optimum-neuronx (inductor, on-device sampling)": "inductor"}
+EXPORT_OPTIONS = {"optimum-neuronx (inductor, int8)": {"quantization": "int8"},
+                  "optimum-neuronx (inductor, on-device sampling)": {"on_device_sampling": True}}
 SYSTEMS = ("transformers eager", "transformers static+compile", *OUR_BACKENDS)
 
 

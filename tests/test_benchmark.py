@@ -264,3 +264,17 @@ def test_family_shapes_are_exportable_and_a_moe_step_reads_its_chosen_experts(be
     expert = 3 * 384 * 768 * 4 * 12  # one expert's fp32 bytes over the 12 layers
     one, eight = (bench.bytes_per_decode_step(moe, "fp32", batch, 128) for batch in (1, 8))
     assert eight - one == 28 * expert + 7 * 2 * 12 * 128 * 4 * 64 * 4  # 28 more experts read, and 7 rows' KV
+
+
+def test_int8_system_is_bounded_by_its_int8_bytes(bench, tmp_path):
+    """The int8 system's bound counts its projections at one byte (plus float32 scales); the rest stays bf16."""
+    from transformers import AutoConfig
+
+    model_type, shape = bench.SHAPES["tinyllama-1.1b-shape"]
+    AutoConfig.for_model(model_type, **shape).save_pretrained(tmp_path / "tiny")
+    bf16, int8 = (bench.bytes_per_decode_step(tmp_path / "tiny", "bf16", 1, 128, q) for q in (None, "int8"))
+    projections = 22 * (2048 * (2048 + 2 * 256) + 2048 * 2048 + 3 * 2048 * 5632)
+    scales = 22 * ((2048 + 2 * 256) + 2048 + 2 * 5632 + 2048) * 4
+    assert bf16 - int8 == projections - scales
+    assert bench.EXPORT_OPTIONS["optimum-neuronx (inductor, int8)"] == {"quantization": "int8"}
+    assert set(bench.EXPORT_OPTIONS) <= set(bench.OUR_BACKENDS) and set(bench.OUR_BACKENDS) <= set(bench.SYSTEMS)

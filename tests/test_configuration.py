@@ -64,7 +64,8 @@ def test_graphs_compile_with_our_inductor_options_unless_compiler_args_override(
     monkeypatch.setattr(inductor, "_compile_graph", lambda decoder, inputs, options, build_dir, graph: (
         seen.append(options) or ([], 0.0)))
     monkeypatch.setattr("torch._inductor.package.package_aoti", lambda *args, **kwargs: None)
-    decoder = types.SimpleNamespace(kernels=types.SimpleNamespace(dot_rows=0, dot_isa="avx2", attention_kernel=False))
+    decoder = types.SimpleNamespace(kernels=types.SimpleNamespace(dot_rows=0, dot_isa="avx2", attention_kernel=False,
+                                                                   int8_kernel=False))
     graphs = [types.SimpleNamespace(name="token_32")]
     backend = inductor.InductorBackend()
     backend.compile(decoder, graphs, None, tmp_path, NeuronConfig())

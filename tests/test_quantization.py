@@ -173,7 +173,7 @@ CHAT_PROMPTS = ["What is the capital of France?", "Give me three tips for stayin
 @pytest.fixture(scope="module")
 def smollm2_bf16_pair(smollm2_checkpoint):
     """SmolLM2 in bfloat16, plain and with int8 projections (same shapes: two chat prompts + 128 new tokens)."""
-    options = dict(export=True, batch_size=2, sequence_length=256, context_buckets=[64, 256], token_buckets=[256],
+    options = dict(export=True, batch_size=2, sequence_length=256, context_buckets=[256], token_buckets=[256],
                    auto_cast_type="bf16")
     return (NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, **options),
             NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, **options, quantization="int8"))

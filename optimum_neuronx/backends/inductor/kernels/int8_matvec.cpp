@@ -4,7 +4,8 @@
 // pass's tokens): int8 weights (symmetric, per output channel), float32 scales, x and y bfloat16 or float32, float32
 // sums. Each weight row is read once for all rows of x, widened to float32 in registers (never stored wider), so a
 // step streams a quarter of float32's bytes. x is copied once per call into a zero-padded float32 buffer; the weight
-// rows are split evenly between the threads, one stream each.
+// rows are handed to the threads in chunks as rows_matvec hands out its own (Shares, kChunkBytes: this file is spliced
+// after rows_matvec.cpp), each prefetched OPTIMUM_NEURONX_ROW_PREFETCH_BYTES ahead with rows_matvec's hints.
 #include "common.h"
 
 namespace optimum_neuronx_kernels {
@@ -27,6 +28,8 @@ OPTIMUM_NEURONX_INT8_TARGET void int8_rows(const int8_t* __restrict weight, cons
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + kInt8Step <= k; i += kInt8Step) {
+      __builtin_prefetch(row + i + OPTIMUM_NEURONX_ROW_PREFETCH_BYTES, 0,
+                         R == 1 ? OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY);
       __m512 w[4];
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j)
@@ -68,6 +71,9 @@ OPTIMUM_NEURONX_INT8_TARGET void int8_rows(const int8_t* __restrict weight, cons
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + kInt8Step <= k; i += kInt8Step) {
+      if (i % 64 == 0)
+        __builtin_prefetch(row + i + OPTIMUM_NEURONX_ROW_PREFETCH_BYTES, 0,
+                           R == 1 ? OPTIMUM_NEURONX_ROW_PREFETCH_LOCALITY : OPTIMUM_NEURONX_ROWS_PREFETCH_LOCALITY);
       const __m256 w0 = widen8(row + i), w1 = widen8(row + i + 8), w2 = widen8(row + i + 16), w3 = widen8(row + i + 24);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -122,24 +128,25 @@ bool int8_matvec(const Element* x, const int64_t* x_strides, const int8_t* weigh
     for (int64_t i = k; i < k_padded; ++i) xf[r * k_padded + i] = 0.0f;
   }
   bool failed = false;
+  Shares shares(n_out);
+  const int64_t fitting = kChunkBytes / (k > 0 ? k : 1);
+  const int64_t chunk = fitting > 1 ? fitting : 1;  // weight rows per chunk
 #pragma omp parallel
   {
-    const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    const int64_t begin = n_out * thread / threads, end = n_out * (thread + 1) / threads;
-    float* sums = kept_buffer<float, 5>(rows * (end - begin));
-    if (!sums) {
-      __atomic_store_n(&failed, true, __ATOMIC_RELAXED);
-    } else if (end > begin) {
-      switch (rows) {
-        case 1: int8_rows<1>(weight, xf, k, k_padded, begin, end, sums); break;
-        case 2: int8_rows<2>(weight, xf, k, k_padded, begin, end, sums); break;
-        case 3: int8_rows<3>(weight, xf, k, k_padded, begin, end, sums); break;
-        default: int8_rows<4>(weight, xf, k, k_padded, begin, end, sums); break;
-      }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t n = begin; n < end; ++n)
-          y[r * n_out + n] = int8_store<Element>(sums[r * (end - begin) + (n - begin)] * scale[n]);
-    }
+    float* sums = kept_buffer<float, 5>(rows * chunk);
+    if (!sums) __atomic_store_n(&failed, true, __ATOMIC_RELAXED);
+    if (sums)
+      shares.take(n_out, chunk, [=](int64_t begin, int64_t end) {
+        switch (rows) {
+          case 1: int8_rows<1>(weight, xf, k, k_padded, begin, end, sums); break;
+          case 2: int8_rows<2>(weight, xf, k, k_padded, begin, end, sums); break;
+          case 3: int8_rows<3>(weight, xf, k, k_padded, begin, end, sums); break;
+          default: int8_rows<4>(weight, xf, k, k_padded, begin, end, sums); break;
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t n = begin; n < end; ++n)
+            y[r * n_out + n] = int8_store<Element>(sums[r * (end - begin) + (n - begin)] * scale[n]);
+      });
   }
   return !failed;
 }
