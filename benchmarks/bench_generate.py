@@ -29,6 +29,7 @@ import argparse
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import multiprocessing
@@ -553,6 +554,7 @@ def measure_prompt_lookup(work: Path, speculation_length: int, new_tokens: int, 
     from transformers import AutoTokenizer
 
     from optimum_neuronx import NeuronModelForCausalLM
+    from optimum_neuronx.kv_cache import CacheHandle
 
     checkpoint = model_checkpoint("smollm2", work)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -566,10 +568,11 @@ def measure_prompt_lookup(work: Path, speculation_length: int, new_tokens: int, 
     passes = []
     forward = model.forward
 
+    @functools.wraps(forward)  # generate reads forward's signature (logits_to_keep)
     def counted(*args, **kwargs):  # the target's passes after the prompt: each scores 1 + drafted tokens
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            passes.append(ids.shape[1])
+        if any(isinstance(kwargs.get(name), CacheHandle) for name in ("cache", "past_key_values")):
+            passes.append(ids.shape[1])  # continuing the model's own cache (the prompt comes with a fresh one)
         return forward(*args, **kwargs)
 
     model.forward = counted
