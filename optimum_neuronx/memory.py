@@ -27,7 +27,7 @@ def weight_bytes(spec: DecoderSpec, neuron_config: NeuronConfig) -> int:
     with torch.device("meta"):
         decoder = StaticDecoder(spec, quantization=neuron_config.quantization)
     size = neuron_config.torch_dtype.itemsize
-    return sum(p.numel() * (p.element_size() if p.dtype in (torch.int8,) or name.endswith(".scale") else size)
+    return sum(p.numel() * (p.element_size() if p.dtype == torch.int8 or name.endswith(".scale") else size)
                for name, p in decoder.named_parameters())
 
 

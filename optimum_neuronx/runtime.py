@@ -144,9 +144,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             if compiled is None:
                 continue
             given = [[list(t.shape), str(t.dtype).removeprefix("torch.")]
-                     for t in StaticDecoder.example_inputs(nc.batch_size, spec.tokens, spec.window, kv_cache,
-                                                             spec.logits_positions,
-                                                             spec.samples(nc.on_device_sampling))]
+                     for t in StaticDecoder.graph_inputs(spec, nc.batch_size, kv_cache, nc.on_device_sampling)]
             if len(compiled) != len(given):
                 raise ArtifactError(f"graph {spec.name} was compiled for {len(compiled)} inputs, but this export's "
                                     f"neuron_config.json gives it {len(given)}: the export was edited after it was "
@@ -672,8 +670,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         nc, cache, handle = self.neuron_config, self._cache, self._handle
         slot, width = handle.length, nc.speculation_length + 1
         window = token_bucket(slot + width - 1, nc.token_buckets)
-        mask = attention_mask[:b] if attention_mask is not None else None
-        self._valid_slots(b, mask, slot + n)
+        self._valid_slots(b, attention_mask, slot + n)
         cache.key_valid[:, slot + n: slot + width] = False
         cache.key_valid[b:, : slot + width] = False
         ids = torch.zeros(nc.batch_size, width, dtype=torch.long)

@@ -261,9 +261,7 @@ def _write_export(p: _Prepared, output_dir: str | Path, cached_graphs: Optional[
             with torch.no_grad():
                 times = p.backend.compile(
                     p.decoder, p.graphs,
-                    lambda g: p.decoder.example_inputs(nc.batch_size, g.tokens, g.window, kv_cache,
-                                                             g.logits_positions,
-                                                             g.samples(nc.on_device_sampling)), staging, nc)
+                    lambda g: p.decoder.graph_inputs(g, nc.batch_size, kv_cache, nc.on_device_sampling), staging, nc)
             graph_files = p.backend.graph_files(staging)
         else:
             entry = read_entry_meta(cached_graphs)

@@ -514,6 +514,13 @@ class StaticDecoder(nn.Module):
         )
         return (*inputs, torch.zeros(batch_size, len(SAMPLING_FIELDS))) if sampling else inputs
 
+    @classmethod
+    def graph_inputs(cls, graph, batch_size: int, kv_cache: torch.Tensor, on_device_sampling: bool) -> tuple:
+        """`example_inputs` of the graph a configuration.GraphSpec describes, in an export that samples on the
+        device or not."""
+        return cls.example_inputs(batch_size, graph.tokens, graph.window, kv_cache, graph.logits_positions,
+                                  graph.samples(on_device_sampling))
+
     def _masks(self, allowed, fresh, dtype, n_rep):
         """The additive attention masks (pieces, `attention_masks`) of `allowed` [B, 1, T, W] and of the new tokens
         among themselves, `fresh` [B, 1, T, T] (None in a context graph)."""

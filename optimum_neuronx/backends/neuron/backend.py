@@ -89,9 +89,8 @@ class NeuronBackend(Backend):
 
         def lower(graph: GraphSpec) -> tuple[StableHLOGraph, float]:
             start = time.perf_counter()
-            inputs = sharded.example_inputs(neuron_config.batch_size, graph.tokens, graph.window, cache,
-                                            graph.logits_positions,
-                                            graph.samples(neuron_config.on_device_sampling))
+            inputs = sharded.graph_inputs(graph, neuron_config.batch_size, cache,
+                                          neuron_config.on_device_sampling)
             with torch.no_grad():
                 lowered = lower_graph(sharded, inputs, graph.name)
             return lowered, time.perf_counter() - start
