@@ -45,6 +45,23 @@ def test_sample_tokens_draws_transformers_distribution(top_k, top_p, temperature
     assert greedy.item() == logits.argmax().item()
 
 
+@pytest.mark.parametrize("top_p", [0.0, 1e-9, 1e-3, 1.0])
+@pytest.mark.parametrize("top_k", [1, 5, MAX_TOP_K])
+def test_top_p_edge_values_keep_the_most_likely_token(top_k, top_p):
+    """top_p at or near 0 keeps the most likely candidate, as Transformers' TopPLogitsWarper (min_tokens_to_keep=1):
+    every draw over the uniform grid matches its distribution, including uniforms at the grid's ends."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1)) * 3
+    uniform = torch.tensor([0.0, 1e-7, 0.25, 0.5, 0.999999, 0.9999999])
+    for row in logits:
+        sampling = torch.tensor([top_k, top_p, 1.0, 0.0]).repeat(len(uniform), 1)
+        sampling[:, 3] = uniform
+        tokens = sample_tokens(row.expand(len(uniform), -1), sampling)
+        expected = transformers_probabilities(row[None], top_k, top_p, 1.0)[0]
+        assert (expected[tokens] > 0).all(), (tokens, expected.topk(3))
+        if top_p < 1e-2 or top_k == 1:
+            assert (tokens == row.argmax()).all()
+
+
 @pytest.fixture(scope="module")
 def sampling_model(tiny_checkpoint):
     """The tiny Llama (batch 3, buckets 32 and 64) whose context and token graphs also pick the next token."""
@@ -109,6 +126,21 @@ def test_sampled_first_tokens_follow_transformers_distribution(sampling_model, r
     assert statistic < critical, (statistic, observed, expected)
 
 
+@pytest.mark.parametrize("top_k", [None, 0, 10])
+def test_top_p_zero_generates_greedy_tokens(sampling_model, reference_model, top_k):
+    """do_sample with top_p 0 (with or without top_k): greedy, on the graphs (top_k 10) or the logits (no top_k),
+    equal to Transformers' own sampling with the same options."""
+    input_ids, attention_mask = left_padded_prompts([16, 11, 5], seed=7)
+    options = dict(attention_mask=attention_mask, max_new_tokens=12, eos_token_id=None, do_sample=True, top_p=0.0,
+                   top_k=top_k)
+    greedy = reference_model(MODEL).generate(input_ids, attention_mask=attention_mask, max_new_tokens=12,
+                                             eos_token_id=None, do_sample=False)
+    torch.manual_seed(0)
+    assert torch.equal(sampling_model.generate(input_ids, **options), greedy)
+    torch.manual_seed(0)
+    assert torch.equal(reference_model(MODEL).generate(input_ids, **options), greedy)
+
+
 def test_seeded_sampling_repeats(sampling_model):
     prompt, mask = left_padded_prompts([9, 4, 12], seed=3)
     outs = []
@@ -167,6 +199,11 @@ def test_sampling_graphs_on_the_neuron_backend(tiny_checkpoint, compiled_model):
     options = dict(attention_mask=attention_mask, max_new_tokens=40, eos_token_id=None)
     assert torch.equal(model.generate(input_ids, on_device_sampling=True, do_sample=False, **options),
                        compiled_model(MODEL).generate(input_ids, do_sample=False, **options))
+    greedy = compiled_model(MODEL).generate(input_ids, do_sample=False, **options)
+    for top_p in (0.0, 1e-9):  # no candidate but the most likely survives: greedy, as in Transformers
+        torch.manual_seed(1)
+        assert torch.equal(model.generate(input_ids, on_device_sampling=True, do_sample=True, top_k=10,
+                                          top_p=top_p, **options), greedy)
     torch.manual_seed(1)
     sampled = model.generate(input_ids, on_device_sampling=True, do_sample=True, top_k=10, **options)
-    assert sampled.shape == (3, input_ids.shape[1] + 40)
+    assert not torch.equal(sampled, greedy)  # drawn, not argmax (seeded: the same draws every run)

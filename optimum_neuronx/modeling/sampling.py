@@ -31,12 +31,13 @@ def sample_tokens(logits: torch.Tensor, sampling: torch.Tensor) -> torch.Tensor:
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     lowest = torch.finfo(scaled.dtype).min
-    # top-k, then top-p among the k kept: candidates sorted by logit, a token kept while the mass before it < top_p
+    # top-k, then top-p among the k kept: candidates sorted by logit, a token kept while the mass before it < top_p;
+    # the most likely one always (top_p 0 or tiny is greedy, as Transformers' min_tokens_to_keep=1 makes it)
     values, indices = scaled.topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
     ranks = torch.arange(values.shape[-1], device=logits.device)
     kept = ranks[None, :] < top_k[:, None]
     probs = torch.softmax(values.masked_fill(~kept, lowest), dim=-1) * kept
-    kept = kept & ((probs.cumsum(-1) - probs) < top_p[:, None])
+    kept = kept & (((probs.cumsum(-1) - probs) < top_p[:, None]) | (ranks[None, :] == 0))
     candidate = indices.gather(1, _inverse_transform(probs * kept, uniform)[:, None])[:, 0]
     # no top-k (and no top-p): the whole vocabulary, in vocabulary order
     anywhere = _inverse_transform(torch.softmax(scaled, dim=-1), uniform)
