@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 import tempfile
@@ -302,6 +303,11 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             logger.info("%s was not exported on this machine: its compiled graphs are native code, which is loaded "
                         "only with trust_remote_code=True. Rebuilding the graphs here from its config and weights "
                         "(once: the compile cache keeps them).", artifact_dir)
+        if neuron_config.compiler_args and not trust_remote_code:
+            logger.warning("%s's compiler_args %s are not applied to its rebuild: an export's compiler options run "
+                           "only with trust_remote_code=True (the graphs compute the same; only how they are compiled "
+                           "changes).", artifact_dir, list(neuron_config.compiler_args))
+            neuron_config = dataclasses.replace(neuron_config, compiler_args=())
         tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
         out_dir = Path(tmpdir.name) / "model"
         run_export(str(artifact_dir), out_dir, neuron_config, cache=cache, from_export=True)

@@ -42,6 +42,16 @@ class Backend(ABC):
         """`weight` reordered at load for the kernels that read it."""
         raise NotImplementedError(f"The {self.name} backend does not pack weights.")
 
+    def check_compiler_args(self, compiler_args: Sequence[str]) -> None:
+        """Raise ValueError naming any option this backend does not take from an export (an allow-list of what
+        cannot run code: numbers, booleans, known enums)."""
+        if compiler_args:
+            raise ValueError(f"The {self.name} backend takes no compiler_args, got {list(compiler_args)}.")
+
+    def environment_compiler_args(self) -> tuple[str, ...]:
+        """Compiler options this machine's environment adds to every export (checked like compiler_args)."""
+        return ()
+
     @abstractmethod
     def check_toolchain(self) -> None:
         """Raise a clear error, before any work, when the compiler cannot run here."""

@@ -113,6 +113,8 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
 
     hf_kwargs = dict(hf_kwargs or {})
     backend = get_backend(neuron_config.backend)
+    neuron_config = with_environment_compiler_args(neuron_config, backend)
+    backend.check_compiler_args(neuron_config.compiler_args)  # before any key, compile or file: never runs code
     backend.check_toolchain()
     if not from_export:
         _refuse_export_as_checkpoint(model_id, hf_kwargs)
@@ -178,6 +180,17 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     decoder.eval()
     return _Prepared(model_id, neuron_config, hf_kwargs, backend, config, spec, decoder, graphs,
                      generation_config, start, source)
+
+
+def with_environment_compiler_args(neuron_config: NeuronConfig, backend: Backend) -> NeuronConfig:
+    """`neuron_config` with the compiler options this machine's environment adds (NEURON_CC_FLAGS on the neuron
+    backend) appended, so that the export records them and its cache key holds them."""
+    added = backend.environment_compiler_args()
+    have = neuron_config.compiler_args
+    if not added or any(have[i:i + len(added)] == added for i in range(len(have) - len(added) + 1)):
+        return neuron_config
+    logger.info("Compiler options from the environment: %s", " ".join(added))
+    return dataclasses.replace(neuron_config, compiler_args=(*have, *added))
 
 
 def _hub_source(model_id: str, config, hf_kwargs: dict) -> Optional[dict]:

@@ -62,29 +62,65 @@ def cpu_has(feature: str) -> bool:
     return getattr(torch.cpu, X86_FEATURE_PROBES[feature], lambda: False)()
 
 
+# Inductor options whose names say they write files, print, or call hooks: refused whatever their value.
+_REFUSED_OPTION_WORDS = ("debug", "trace", "profile", "dump", "log", "hook", "print", "minifier")
+# Options with no typed default whose values are a known set.
+_ENUM_OPTIONS = {"cpp.simdlen": (0, 128, 256, 512)}
+
+
 def parse_compiler_args(compiler_args: Sequence[str]) -> dict:
-    """`name=value` pairs -> Inductor config options (values parsed as JSON when they can be)."""
+    """`name=value` pairs -> Inductor config options, each checked against what is safe to take from a file: a
+    torch._inductor.config option whose default is a boolean or a number, given a value of that type (or one of the
+    few known enum values). Options that hold a program, a path, a string or code - the C++ compiler, include
+    paths, passes - are refused, naming the option: an export's options must never run anything."""
     from torch._inductor import config as inductor_config
 
+    defaults = inductor_config.get_config_copy()
     options = {}
     for arg in compiler_args:
         name, sep, raw = arg.partition("=")
         if not sep:
             raise ValueError(f"compiler arg {arg!r} must look like name=value, e.g. 'max_autotune=true'.")
+        if name not in defaults:
+            raise ValueError(f"compiler arg {arg!r}: {name!r} is not a torch._inductor.config option.")
         try:
-            inductor_config.get_config_copy()[name]
-        except KeyError:
-            raise ValueError(f"compiler arg {arg!r}: {name!r} is not a torch._inductor.config option.") from None
-        try:
-            options[name] = json.loads(raw)
+            value = json.loads(raw)
         except json.JSONDecodeError:
-            options[name] = raw
+            value = raw
+        options[name] = _checked_option(name, value, defaults[name], arg)
     return options
+
+
+def _checked_option(name: str, value, default, arg: str):
+    refuse = (f"compiler arg {arg!r} is refused: only options taking a boolean or a number (or a known enum value) "
+              f"can be given, and none that writes files or calls hooks")
+    if any(word in name for word in _REFUSED_OPTION_WORDS):
+        raise ValueError(f"{refuse}; {name!r} is one that does.")
+    if name in _ENUM_OPTIONS:
+        if value in _ENUM_OPTIONS[name] and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{refuse}; {name!r} takes one of {_ENUM_OPTIONS[name]}.")
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+    elif isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    else:
+        raise ValueError(f"{refuse}; {name!r} holds a {type(default).__name__}, which may name a program, a path "
+                         f"or code.")
+    raise ValueError(f"{refuse}; {name!r} takes a {type(default).__name__}, got {value!r}.")
 
 
 class InductorBackend(Backend):
     name = "inductor"
     streams_host_weights = True
+
+    def check_compiler_args(self, compiler_args: Sequence[str]) -> None:
+        parse_compiler_args(compiler_args)
 
     def check_toolchain(self) -> None:
         if shutil.which("g++") is None and shutil.which("c++") is None and shutil.which("clang++") is None:

@@ -57,6 +57,12 @@ class NeuronBackend(Backend):
     def kernels(self, dtype: torch.dtype, batch_size: int, quantization: str | None = None) -> NeuronKernels:
         return NeuronKernels()
 
+    def check_compiler_args(self, compiler_args) -> None:
+        neuronx_cc.check_flags(compiler_args)
+
+    def environment_compiler_args(self) -> tuple[str, ...]:
+        return neuronx_cc.environment_flags()
+
     def check_toolchain(self) -> None:
         missing = [name for name in TOOLCHAIN if importlib.util.find_spec(name.replace("-", "_")) is None]
         if missing:
