@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -125,21 +125,25 @@ def weights_source(directory: str | Path) -> str | None:
         return None
 
 
-def read_artifact(directory: str | Path, check_digests: bool = False,
+def read_artifact(directory: str | Path, check_digests: bool | Callable[[str], bool] = False,
                   optional: tuple[str, ...] = ()) -> tuple[NeuronConfig, dict]:
     """Validate an exported directory and return its NeuronConfig and metadata, or raise ArtifactError.
 
     Every listed file's size is checked; with `check_digests` (an export from a new source, `neuron verify`) its
-    sha256 too. Files in `optional` may be absent. Whether the compiled graphs can run here is another question:
-    `compiled_code_problem`."""
+    sha256 too - a callable is asked with the export's identity (`meta["identity"]`: the sha256 of the very
+    neuron_config.json bytes parsed here). Files in `optional` may be absent. Whether the compiled graphs can run
+    here is another question: `compiled_code_problem`."""
     directory = Path(directory)
     meta_path = directory / NEURON_CONFIG_NAME
     if not meta_path.is_file():
         raise ArtifactError(_not_an_export(directory))
     try:
-        meta = _read_json(meta_path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ArtifactError(f"{meta_path} is unreadable ({err}). Re-export the model.") from None
+        raw = meta_path.read_bytes()
+        meta = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ArtifactError(f"{meta_path} is unreadable ({type(err).__name__}: {str(err)[:200]}). Re-export the "
+                            f"model.") from None
+    identity = hashlib.sha256(raw).hexdigest()
     foreign = _foreign_export(directory, meta)
     if foreign:
         raise ArtifactError(foreign)
@@ -150,6 +154,8 @@ def read_artifact(directory: str | Path, check_digests: bool = False,
     except (KeyError, TypeError, ValueError) as err:
         raise ArtifactError(f"{meta_path} is unreadable or incomplete ({err!r}). Re-export the model.") from None
     redo = "Re-export the model with NeuronModelForCausalLM.from_pretrained(model_id, export=True, ...)."
+    if callable(check_digests):
+        check_digests = check_digests(identity)
     if fmt != ARTIFACT_FORMAT_VERSION:
         raise ArtifactError(f"{directory} uses artifact format {fmt}; this package reads format "
                             f"{ARTIFACT_FORMAT_VERSION}. {redo}")
@@ -184,7 +190,48 @@ def read_artifact(directory: str | Path, check_digests: bool = False,
     if meta.get("config_hash") != expected:
         raise ArtifactError(f"{directory}: config.json or {NEURON_CONFIG_NAME} no longer matches what was compiled "
                             f"(export hash {meta.get('config_hash')} != {expected}). {redo}")
+    meta["identity"] = identity
     return neuron_config, meta
+
+
+@contextlib.contextmanager
+def verified_copy(directory: str | Path, meta: dict, neuron_config: NeuronConfig,
+                  exclude: tuple[str, ...] = (WEIGHTS_NAME,)) -> Iterator[Path]:
+    """A private copy (a 0700 temporary folder) of the export's files but `exclude`, each checked against the sha256
+    `meta` lists as it is copied, config.json against the export hash: what is loaded from it is exactly what was
+    verified, whatever happens to `directory` meanwhile (a file renamed over after it was hashed)."""
+    directory = Path(directory)
+    redo = "Re-export the model with NeuronModelForCausalLM.from_pretrained(model_id, export=True, ...)."
+    with tempfile.TemporaryDirectory(prefix="optimum-neuronx-verified-") as private:
+        private = Path(private)
+        for name, info in meta["files"].items():
+            if name in exclude:
+                continue
+            digest = _copy_hashing(check_file_name(directory, name), private / name)
+            if digest != info["sha256"]:
+                raise ArtifactError(f"{directory / name} does not match its sha256 in {NEURON_CONFIG_NAME}: the file "
+                                    f"is corrupted or was replaced. {redo}")
+        for name in (CONFIG_NAME, "generation_config.json"):
+            if check_file_name(directory, name).is_file():
+                _copy_hashing(directory / name, private / name)
+        try:
+            expected = config_hash(_read_json(private / CONFIG_NAME), neuron_config, meta["graphs"], meta["files"])
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ArtifactError(f"{directory / CONFIG_NAME} is unreadable ({err}). {redo}") from None
+        if meta.get("config_hash") != expected:
+            raise ArtifactError(f"{directory}: config.json no longer matches what was compiled. {redo}")
+        yield private
+
+
+def _copy_hashing(source: Path, destination: Path) -> str:
+    """Copy `source` to `destination` (0600), returning the sha256 of the bytes written."""
+    digest = hashlib.sha256()
+    with open(source, "rb") as inp, open(os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
+                                         "wb") as out:
+        while chunk := inp.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    return digest.hexdigest()
 
 
 def compiled_code_problem(directory: str | Path, meta: dict) -> str:
@@ -289,14 +336,20 @@ def _alive(pid: int) -> bool:
 
 
 def copy_artifact_files(source: Path, destination: Path, exclude: tuple[str, ...] = (),
-                        include: tuple[str, ...] | None = None) -> None:
-    """Copy (hard-link where possible) the regular files of an artifact directory (only `include`, if given)."""
+                        include: tuple[str, ...] | None = None, link: bool = True, mode: int | None = None) -> None:
+    """Copy the regular files of an artifact directory (only `include`, if given): hard-linked where possible with
+    `link`, else copied (into or out of the compile cache: an in-place edit of one must never change the other),
+    with permissions `mode` if given."""
     for entry in sorted(Path(source).iterdir()):
         if (entry.is_file() and not entry.name.startswith(".") and entry.name not in exclude
                 and (include is None or entry.name in include)):
             dest = destination / entry.name
             real = entry.resolve()  # a Hub snapshot's files are relative links into its blobs folder
             try:
+                if not link:
+                    raise OSError
                 os.link(real, dest)
             except OSError:
-                shutil.copy2(real, dest)
+                shutil.copyfile(real, dest)
+            if mode is not None:
+                os.chmod(dest, mode)

@@ -21,12 +21,15 @@ from typing import Iterator, Optional
 
 from .artifacts import atomic_directory, check_file_name, copy_artifact_files
 from .digests import file_sha256
+from .trust import cache_entry_recorded, private_directory, record_cache_entry
 
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "OPTIMUM_NEURONX_CACHE"
 CACHE_REPO_ENV = "OPTIMUM_NEURONX_CACHE_REPO"  # optional Hub model repo shared as a remote cache
+CUSTOM_CACHE_REPO_ENV = "CUSTOM_CACHE_REPO"  # optimum-neuron's name for it
 ENTRY_META = "cache_entry.json"
+_DIGEST_CHARS = set("0123456789abcdef")
 
 
 def default_cache_dir() -> Path:
@@ -36,6 +39,31 @@ def default_cache_dir() -> Path:
     from huggingface_hub import constants
 
     return Path(constants.HF_HOME) / "optimum-neuronx" / "compile-cache"
+
+
+def _cache_repo_file() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "optimum-neuronx" / "cache_repo"
+
+
+def set_default_cache_repo(repo_id: str) -> Path:
+    """`optimum-cli neuron cache set`: the Hub cache repo used when no option or variable names one."""
+    path = _cache_repo_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(repo_id + "\n")
+    return path
+
+
+def default_cache_repo() -> Optional[str]:
+    """$OPTIMUM_NEURONX_CACHE_REPO, else optimum-neuron's $CUSTOM_CACHE_REPO, else the repo `cache set` chose."""
+    for name in (CACHE_REPO_ENV, CUSTOM_CACHE_REPO_ENV):
+        if os.environ.get(name):
+            return os.environ[name]
+    try:
+        return _cache_repo_file().read_text().strip() or None
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -72,7 +100,7 @@ class CompileCache:
     def __init__(self, root: Optional[str | Path] = None, hub_repo: Optional[str] = None,
                  token: Optional[str] = None):
         self.root = Path(root) if root else default_cache_dir()
-        self.hub_repo = hub_repo or os.environ.get(CACHE_REPO_ENV) or None
+        self.hub_repo = hub_repo or default_cache_repo()
         self.token = token
 
     def entry_dir(self, key: CacheKey) -> Path:
@@ -82,19 +110,26 @@ class CompileCache:
         """Held while one process looks up, compiles and stores `key`; a second exporter waits, then hits."""
         from huggingface_hub.utils import WeakFileLock
 
-        (self.root / "locks").mkdir(parents=True, exist_ok=True)
+        private_directory(self._mkdir() / "locks")
         return WeakFileLock(str(self.root / "locks" / f"{key.digest}.lock"))
 
     def entries(self) -> Iterator[tuple[Path, dict]]:
+        """Every local entry with its metadata; one whose cache_entry.json is unreadable or malformed is skipped
+        with a warning."""
         base = self.root / "entries"
         for entry in sorted(base.iterdir()) if base.is_dir() else []:
             try:
-                yield entry, json.loads((entry / ENTRY_META).read_text())
-            except (OSError, json.JSONDecodeError):
+                meta = read_entry_meta(entry)
+            except FileNotFoundError:
+                continue  # being written, or not an entry
+            except (OSError, ValueError) as err:
+                logger.warning("Compile cache entry %s skipped: %s", entry.name, err)
                 continue
+            yield entry, meta
 
-    def lookup(self, key: CacheKey) -> Optional[Path]:
-        """The entry for `key` if present and intact; a damaged entry is evicted (with a warning)."""
+    def lookup(self, key: CacheKey, trusted: bool = False) -> Optional[Path]:
+        """The entry for `key` if present and intact, and stored by this user (its provenance records it) or
+        `trusted` (trust_remote_code); a damaged entry is evicted (with a warning), an unrecorded one ignored."""
         entry = self.entry_dir(key)
         if not entry.is_dir():
             return None
@@ -102,6 +137,10 @@ class CompileCache:
         if problem:
             logger.warning("Compile cache entry %s is corrupted (%s): evicted, recompiling.", key.digest, problem)
             shutil.rmtree(entry, ignore_errors=True)
+            return None
+        if not trusted and not cache_entry_recorded(entry, entry / ENTRY_META):
+            logger.info("Compile cache entry %s was not stored by this user (no provenance record): its compiled "
+                        "code is ignored and the graphs recompiled (trust_remote_code=True would use it).", entry)
             return None
         return entry
 
@@ -132,14 +171,21 @@ class CompileCache:
 
     def store(self, key: CacheKey, artifact_dir: Path, graph_files: tuple[str, ...],
               compile_times: dict[str, float]) -> Path:
-        """Keep the compiled graph files of the export in `artifact_dir` (never its weights) under `key`."""
+        """Keep copies of the compiled graph files of the export in `artifact_dir` (never its weights) under `key`,
+        private to this user (0600 files in 0700 folders), and record the entry in this user's provenance."""
         entry = self.entry_dir(key)
+        private_directory(self._mkdir())
+        private_directory(entry.parent)
+        if entry.exists() and not cache_entry_recorded(entry, entry / ENTRY_META):
+            shutil.rmtree(entry, ignore_errors=True)  # not ours (planted, or damaged): replaced whole
         with atomic_directory(entry) as staging:
-            copy_artifact_files(artifact_dir, staging, include=graph_files)
+            copy_artifact_files(artifact_dir, staging, include=graph_files, link=False, mode=0o600)
             sha = {name: file_sha256(staging / name) for name in graph_files}
             meta = {"fields": key.fields, "digest": key.digest, "created": time.time(), "sha256": sha,
                     "compile_time_s": compile_times}
             (staging / ENTRY_META).write_text(json.dumps(meta, indent=1, default=str))
+            os.chmod(staging / ENTRY_META, 0o600)
+        record_cache_entry(entry, entry / ENTRY_META)
         return entry
 
     def matching_model(self, model: dict) -> list[tuple[Path, dict]]:
@@ -168,7 +214,7 @@ class CompileCache:
             with atomic_directory(self.entry_dir(key)) as staging:
                 copy_artifact_files(fetched, staging)
         logger.info("Fetched compile cache entry %s from the Hub repo %s", key.digest, self.hub_repo)
-        return self.lookup(key)  # checks every file's sha256; a damaged download is evicted
+        return self.lookup(key, trusted=True)  # checks every file's sha256; a damaged download is evicted
 
     def push(self, key: CacheKey) -> None:
         """Upload local entry `key` to the Hub cache repo (one commit), if one is configured."""
@@ -225,20 +271,38 @@ class CompileCache:
         return [meta["digest"] for _, meta in missing]
 
     def _mkdir(self) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        return self.root
+        return private_directory(self.root)
 
     def clear(self) -> int:
-        """Remove every local entry; return how many there were."""
-        count = sum(1 for _ in self.entries())
-        shutil.rmtree(self.root / "entries", ignore_errors=True)
-        return count
+        """Remove every local entry (folders named by a key's digest; anything else there is left, with a warning);
+        return how many there were."""
+        base = self.root / "entries"
+        removed = 0
+        for entry in sorted(base.iterdir()) if base.is_dir() else []:
+            if entry.is_dir() and not entry.is_symlink() and len(entry.name) == 32 and set(entry.name) <= _DIGEST_CHARS:
+                shutil.rmtree(entry)
+                removed += 1
+            else:
+                logger.warning("%s is not a compile cache entry: left in place.", entry)
+        return removed
 
 
 def read_entry_meta(entry: Path) -> dict:
-    meta = json.loads((Path(entry) / ENTRY_META).read_text())
+    """An entry's cache_entry.json, checked for the fields the cache reads (ValueError naming what is wrong)."""
+    path = Path(entry) / ENTRY_META
+    try:
+        meta = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"{path} is not JSON ({type(err).__name__})") from None
+    fields = meta.get("fields") if isinstance(meta, dict) else None
     if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), dict):
-        raise ValueError(f"{entry / ENTRY_META} does not list its files")
+        raise ValueError(f"{path} does not list its files")
+    if not isinstance(fields, dict) or not all(isinstance(fields.get(k), dict) for k in ("model", "neuron_config",
+                                                                                         "versions")):
+        raise ValueError(f"{path} does not hold the key's fields (model, neuron_config, versions)")
+    if not isinstance(meta.get("digest"), str) or not isinstance(meta.get("created"), (int, float)) \
+            or not isinstance(meta.get("compile_time_s"), dict):
+        raise ValueError(f"{path} lacks its digest, creation time or compile times")
     return meta
 
 

@@ -25,7 +25,7 @@ from transformers import (
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .artifacts import (WEIGHTS_NAME, ArtifactError, atomic_directory, compiled_code_problem, copy_artifact_files,
-                        export_identity, read_artifact, weights_source)
+                        export_identity, read_artifact, verified_copy, weights_source)
 from .backends import get_backend
 from .buckets import context_bucket, token_bucket
 from .cache import CompileCache
@@ -285,15 +285,21 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         new source (a download, a path it was not recorded at, one not produced here)."""
         from .trust import provenance, record_produced_here
 
-        origin = provenance(artifact_dir)
-        neuron_config, meta = read_artifact(artifact_dir, check_digests=downloaded or origin != "here")
+        origins = []  # the provenance of the neuron_config.json bytes read_artifact parses
+
+        def digests_needed(identity: str) -> bool:
+            origins.append(provenance(artifact_dir, identity))
+            return downloaded or origins[-1] != "here"
+
+        neuron_config, meta = read_artifact(artifact_dir, check_digests=digests_needed)
+        origin, loaded = origins[-1], (neuron_config, meta)
         problem = compiled_code_problem(artifact_dir, meta)
         if not problem and origin != "foreign":
-            record_produced_here(artifact_dir, "copied")
-            return cls._from_artifact(artifact_dir, huge_pages=huge_pages)
+            record_produced_here(artifact_dir, "copied", meta["identity"])
+            return cls._from_artifact(artifact_dir, huge_pages=huge_pages, loaded=loaded)
         if not problem and trust_remote_code:
-            record_produced_here(artifact_dir, "trusted by the user")
-            return cls._from_artifact(artifact_dir, huge_pages=huge_pages)
+            record_produced_here(artifact_dir, "trusted by the user", meta["identity"])
+            return cls._from_artifact(artifact_dir, huge_pages=huge_pages, loaded=loaded)
         from .exporters.export import export as run_export
 
         if problem:
@@ -315,21 +321,25 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _from_artifact(cls, artifact_dir: Path, tmpdir=None, compiled: bool = False,
-                       huge_pages: Optional[bool] = None) -> "NeuronModelForCausalLM":
+                       huge_pages: Optional[bool] = None, loaded=None) -> "NeuronModelForCausalLM":
+        """Load the export in `artifact_dir` (`loaded`: its NeuronConfig and metadata as the trust decision read
+        them). The compiled graphs and configs load from a private copy checked against the digests as it is made:
+        the code that runs is the code that was verified."""
         start = time.perf_counter()
-        neuron_config, meta = read_artifact(artifact_dir)
+        neuron_config, meta = loaded or read_artifact(artifact_dir)
         problem = compiled_code_problem(artifact_dir, meta)
         if problem:
             raise ArtifactError(f"{artifact_dir} cannot run here: {problem}. Load it with "
                                 f"NeuronModelForCausalLM.from_pretrained, which rebuilds its graphs here.")
-        config = AutoConfig.from_pretrained(artifact_dir)
         backend = get_backend(neuron_config.backend)
-        weights = load_weights(artifact_dir, meta, huge_pages=_use_huge_pages(huge_pages, backend))
-        graph_specs = [GraphSpec(**g) for g in meta["graphs"]]
-        graphs = backend.load(artifact_dir, graph_specs, weights)
-        generation_config = None
-        if (Path(artifact_dir) / "generation_config.json").is_file():
-            generation_config = GenerationConfig.from_pretrained(artifact_dir)
+        with verified_copy(artifact_dir, meta, neuron_config) as private:
+            config = AutoConfig.from_pretrained(private)
+            weights = load_weights(artifact_dir, meta, huge_pages=_use_huge_pages(huge_pages, backend))
+            graph_specs = [GraphSpec(**g) for g in meta["graphs"]]
+            graphs = backend.load(private, graph_specs, weights)
+            generation_config = None
+            if (private / "generation_config.json").is_file():
+                generation_config = GenerationConfig.from_pretrained(private)
         model = cls(config, neuron_config, graphs, weights, artifact_dir, generation_config, tmpdir)
         logger.info("Loaded %d compiled graphs from %s in %.2f s%s", len(graphs), artifact_dir,
                     time.perf_counter() - start, "" if compiled else " (no compilation)")

@@ -67,6 +67,8 @@ def _handler(state: HubState):
                 siblings = [{"rfilename": name} for name in sorted(repo["files"])]
                 return self._send(200, {"id": m["repo"], "sha": repo["sha"], "siblings": siblings,
                                         "private": repo.get("private", False)})
+            if method == "GET" and path == "/api/whoami-v2":  # the user a token belongs to: always "me" here
+                return self._send(200, {"type": "user", "name": "me", "orgs": []})
             if method == "POST" and path == "/api/validate-yaml":  # model card metadata check
                 self._body()
                 return self._send(200, {"errors": [], "warnings": []})

@@ -124,3 +124,53 @@ def test_speed_options_reach_the_neuron_config():
     assert (plain.speculation_length, plain.quantization, plain.on_device_sampling) == (0, None, False)
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "out", "--quantization", "int4"])
+
+
+def _export_parser():
+    import argparse
+
+    from optimum_neuronx.commands.export import add_export_arguments
+
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    return parser
+
+
+def test_optimum_neuron_flags_are_accepted_and_abbreviations_refused(caplog):
+    """--auto_cast (ignored, said), -O1/-O2/-O3 on the inductor backend (ignored, said); an abbreviation of a flag
+    is an error, never another flag (--auto_cast_typ once became --auto_cast_type)."""
+    import logging
+
+    from optimum_neuronx.commands.export import neuron_config_from_args
+
+    parser = _export_parser()
+    with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
+        args = parser.parse_args(["--model", "m", "out", "--auto_cast", "matmul", "--auto_cast_type", "bf16", "-O3"])
+        config = neuron_config_from_args(args)
+    assert config.auto_cast_type == "bf16" and config.compiler_args == ()
+    assert "--auto_cast matmul ignored" in caplog.text and "-O3 ignored" in caplog.text
+    neuron = neuron_config_from_args(parser.parse_args(["--model", "m", "out", "--backend", "neuron", "-O3"]))
+    assert neuron.compiler_args == ("-O3",)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "out", "--auto_cast_typ", "bf16"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "out", "--sequence", "128"])
+
+
+def test_estimate_takes_tensor_parallel_size(capsys, tiny_checkpoint):
+    import argparse
+
+    from optimum_neuronx.commands.estimate import add_estimate_arguments, run_estimate
+
+    parser = argparse.ArgumentParser()
+    add_estimate_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_checkpoint("llama")), "--tensor_parallel_size", "2"])
+    assert args.num_cores == 2 and run_estimate(args) == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--tensor_parallel", "2"])  # no abbreviations here either
+
+
+def test_module_entry_point_exits_non_zero_on_error(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "optimum_neuronx.commands", "--model", str(tmp_path / "none"),
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "error:" in result.stderr

@@ -324,3 +324,32 @@ def test_neuron_config_from_a_hub_repo_reads_only_its_config(hub, saved_tiny_lla
     assert json.loads(result.stdout)["batch_size"] == 3
     fetched = [r for r in hub.state.requests[before:] if "/resolve/" in r]
     assert fetched and all(r.endswith("/neuron_config.json") for r in fetched), fetched
+
+
+def test_optimum_neuron_cache_commands_and_variables(hub, tiny_checkpoint, tmp_path):
+    """optimum-neuron's spellings: `cache create` with no name or `-n NAME` (in the user's namespace, then the default
+    cache repo), `cache set NAME`, `--repo_id` on lookup / synchronize, `--dtype` on lookup, CUSTOM_CACHE_REPO."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cli = str(Path(sys.executable).parent / "optimum-cli")
+    env = {**hub_env(hub.url, tmp_path / "home"), "HF_TOKEN": "hf_test"}
+    run = lambda *args, **extra: subprocess.run([cli, "neuron", "cache", *args], capture_output=True,  # noqa: E731
+                                                text=True, timeout=600, env={**env, **extra})
+    created = run("create")
+    assert created.returncode == 0, created.stderr[-2000:]
+    assert hub.state.repos["me/optimum-neuronx-cache"]["private"] is True
+    assert run("create", "-n", "named-cache").returncode == 0 and "me/named-cache" in hub.state.repos
+    assert (tmp_path / "home" / "optimum-neuronx" / "cache_repo").read_text().strip() == "me/named-cache"
+    assert run("set", "me/optimum-neuronx-cache").returncode == 0
+    assert (tmp_path / "home" / "optimum-neuronx" / "cache_repo").read_text().strip() == "me/optimum-neuronx-cache"
+    lookup = ["lookup", str(tiny_checkpoint("mistral")), "--sequence_length", "32", "--context_buckets", "16",
+              "--token_buckets", "32", "--dtype", "fp32", "--compile_cache_dir", str(tmp_path / "empty")]
+    for args, extra in [((), {}), (("--repo_id", "me/named-cache"), {}), ((), {"CUSTOM_CACHE_REPO": "me/named-cache"})]:
+        result = run(*lookup, *args, **extra)
+        assert result.returncode == 1 and "cache miss" in result.stdout, result.stderr[-2000:]  # nothing cached yet
+        expected = "me/named-cache" if args or extra else "me/optimum-neuronx-cache"
+        assert f"0 in the Hub repo {expected}" in result.stdout, result.stdout
+    synchronized = run("synchronize", "--compile_cache_dir", str(tmp_path / "empty"), "--repo_id", "me/named-cache")
+    assert synchronized.returncode == 0 and "to me/named-cache" in synchronized.stdout, synchronized.stderr[-2000:]

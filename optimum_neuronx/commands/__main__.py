@@ -1,5 +1,7 @@
 """`python -m optimum_neuronx.commands`: the export command without optimum-cli."""
 
+import sys
+
 from .export import main
 
-main()
+sys.exit(main())

@@ -8,8 +8,9 @@ from datetime import datetime
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    from .export import add_compile_cache_arguments
+    from .export import add_compile_cache_arguments, no_abbreviations
 
+    no_abbreviations(parser)
     add_compile_cache_arguments(parser)
 
 
@@ -21,8 +22,19 @@ def _cache(args):
 
 def _describe(meta: dict) -> str:
     nc = meta["fields"]["neuron_config"]
-    return (f"{meta['fields']['model'].get('model_type', '?')}  batch_size={nc['batch_size']} "
-            f"sequence_length={nc['sequence_length']} {nc['auto_cast_type']} {nc['backend']} tp={nc['tp_degree']}")
+    return (f"{meta['fields']['model'].get('model_type', '?')}  batch_size={nc.get('batch_size')} "
+            f"sequence_length={nc.get('sequence_length')} {nc.get('auto_cast_type')} {nc.get('backend')} "
+            f"tp={nc.get('tp_degree')}")
+
+
+# The versions that decide whether an entry's graphs can be used by this installation (the rest of the stamp follows
+# from the export's options: another batch size lowers differently but is not "another version").
+_VERSION_FIELDS = ("optimum_neuronx", "artifact_format", "torch")
+
+
+def _same_versions(cached: dict, wanted: dict) -> bool:
+    return all(cached.get(k) == wanted.get(k) for k in _VERSION_FIELDS) and \
+        (cached.get("compiler") or {}).get("version") == (wanted.get("compiler") or {}).get("version")
 
 
 def run_list(args) -> int:
@@ -62,8 +74,8 @@ def run_lookup(args) -> int:
           + (f", {len(shared)} in the Hub repo {cache.hub_repo}" if cache.hub_repo else ""))
     for where, metas in (("local", local), ("hub", shared)):
         for meta in metas:
-            same = meta["fields"]["versions"] == key.fields["versions"]
-            usable = "" if same else "  (other versions: not usable here)"
+            usable = "" if _same_versions(meta["fields"]["versions"], key.fields["versions"]) \
+                else "  (other versions: not usable here)"
             print(f"  {where}  {meta['digest']}  {_describe(meta)}{usable}")
     if cache.lookup(key) is not None or any(meta["digest"] == key.digest for meta in shared):
         print(f"cache hit {key.digest}: {_describe({'fields': key.fields})}")
@@ -78,16 +90,48 @@ def run_clear(args) -> int:
     return 0
 
 
+DEFAULT_CACHE_REPO_NAME = "optimum-neuronx-cache"
+
+
+def _full_repo_id(name: str, token=None) -> str:
+    """`name`, in the logged-in user's namespace when it names none (as optimum-neuron's `cache create -n`)."""
+    if "/" in name:
+        return name
+    from huggingface_hub import HfApi
+
+    return f"{HfApi(token=token).whoami()['name']}/{name}"
+
+
 def run_create(args) -> int:
-    from ..cache import CACHE_REPO_ENV, create_cache_repo
+    from ..cache import create_cache_repo, set_default_cache_repo
+
+    name = args.repo_id or args.name or DEFAULT_CACHE_REPO_NAME
+    if args.repo_id and args.name and args.repo_id != args.name:
+        print(f"error: two repo names given ({args.repo_id} and -n {args.name}): pass one.", file=sys.stderr)
+        return 1
+    try:
+        repo_id = _full_repo_id(name)
+        url = create_cache_repo(repo_id, private=not args.public)
+    except Exception as err:  # noqa: BLE001 (huggingface_hub's HTTP errors say what went wrong)
+        print(f"error: could not create {name}: {err}", file=sys.stderr)
+        return 1
+    set_default_cache_repo(repo_id)
+    print(f"Created the {'public' if args.public else 'private'} compile cache repo {url}, now the default cache "
+          f"repo of this machine (`optimum-cli neuron cache set` changes it; --cache_repo overrides it).")
+    return 0
+
+
+def run_set(args) -> int:
+    from ..cache import set_default_cache_repo
 
     try:
-        url = create_cache_repo(args.repo_id, private=not args.public)
-    except Exception as err:  # noqa: BLE001 (huggingface_hub's HTTP errors say what went wrong)
-        print(f"error: could not create {args.repo_id}: {err}", file=sys.stderr)
+        repo_id = _full_repo_id(args.repo_id)
+    except Exception as err:  # noqa: BLE001
+        print(f"error: {args.repo_id} names no namespace and the logged-in user is unknown ({err}): pass "
+              f"NAMESPACE/NAME.", file=sys.stderr)
         return 1
-    print(f"Created the {'public' if args.public else 'private'} compile cache repo {url}. Use it with "
-          f"--cache_repo {args.repo_id} or {CACHE_REPO_ENV}={args.repo_id}.")
+    path = set_default_cache_repo(repo_id)
+    print(f"{repo_id} is now the default compile cache repo (written to {path}).")
     return 0
 
 
@@ -103,8 +147,9 @@ def run_synchronize(args) -> int:
 
 
 def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
-    from .export import add_checkpoint_arguments, add_neuron_config_arguments
+    from .export import add_checkpoint_arguments, add_neuron_config_arguments, no_abbreviations
 
+    no_abbreviations(parser)
     parser.add_argument("model", help="Hub model id or local checkpoint directory (only its config is read)")
     add_neuron_config_arguments(parser)
     add_checkpoint_arguments(parser)
@@ -112,5 +157,14 @@ def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_create_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("repo_id", help="the Hub model repo to create, e.g. my-org/optimum-neuronx-cache")
+    parser.allow_abbrev = False
+    parser.add_argument("repo_id", nargs="?", default=None,
+                        help="the Hub model repo to create, e.g. my-org/optimum-neuronx-cache (default: "
+                             f"<your user name>/{DEFAULT_CACHE_REPO_NAME})")
+    parser.add_argument("-n", "--name", default=None, help="the same, as optimum-neuron names it")
     parser.add_argument("--public", action="store_true", help="make the repo public (default: private)")
+
+
+def add_set_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.allow_abbrev = False
+    parser.add_argument("repo_id", help="the Hub cache repo to use by default (NAMESPACE/NAME, or NAME in yours)")

@@ -8,11 +8,13 @@ from typing import Optional, Sequence
 
 
 def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.allow_abbrev = False
     parser.add_argument("--model", "-m", required=True, help="Hub model id or local directory with a config.json")
     parser.add_argument("--batch_size", type=int, default=1, help="compiled batch size (default: 1)")
     parser.add_argument("--sequence_length", type=int, default=1024, help="KV-cache length (default: 1024)")
     parser.add_argument("--auto_cast_type", default="fp32", help="fp32, bf16 or fp16 (default: fp32)")
-    parser.add_argument("--num_cores", type=int, default=1, help="tensor-parallel degree to report on (default: 1)")
+    parser.add_argument("--num_cores", "--tensor_parallel_size", dest="num_cores", type=int, default=1,
+                        help="tensor-parallel degree to report on (default: 1)")
     parser.add_argument("--instance_type", default=None,
                         help="Neuron instance type, e.g. inf2.48xlarge or trn1 (default: inf2)")
     parser.add_argument("--revision", default=None, help="Hub revision of --model")

@@ -11,7 +11,13 @@ from typing import Optional, Sequence
 from ..version import __version__
 
 
+def no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """Options only by their full names: a prefix (--auto_cast) must never silently become another (--auto_cast_type)."""
+    parser.allow_abbrev = False
+
+
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    no_abbreviations(parser)
     parser.add_argument("--model", "-m", required=True, help="Hub model id or local Transformers checkpoint directory")
     parser.add_argument("output", type=Path, help="directory to write the exported model to")
     parser.add_argument("--task", default="text-generation",
@@ -41,8 +47,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
 def add_compile_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile_cache_dir", type=Path, default=None,
                         help="compile cache (default: $OPTIMUM_NEURONX_CACHE or <HF_HOME>/optimum-neuronx/compile-cache)")
-    parser.add_argument("--cache_repo", default=None,
-                        help="Hub model repo used as a shared compile cache (default: $OPTIMUM_NEURONX_CACHE_REPO)")
+    parser.add_argument("--cache_repo", "--repo_id", dest="cache_repo", default=None,
+                        help="Hub model repo used as a shared compile cache (default: $OPTIMUM_NEURONX_CACHE_REPO, "
+                             "$CUSTOM_CACHE_REPO, or the repo `optimum-cli neuron cache set` chose)")
 
 
 def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +59,11 @@ def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
                              "at most 4096)")
     parser.add_argument("--num_cores", "--tensor_parallel_size", dest="num_cores", type=int, default=None,
                         help="tensor-parallel degree (neuron backend; default: 1)")
-    parser.add_argument("--auto_cast_type", default=None,
+    parser.add_argument("--auto_cast_type", "--dtype", dest="auto_cast_type", default=None,
                         help="dtype of the weights and compute: fp32, bf16 or fp16 (default: the checkpoint's dtype)")
+    parser.add_argument("--auto_cast", default=None, choices=("none", "matmul", "all"),
+                        help="accepted for optimum-neuron scripts and ignored, as optimum-neuron does for decoders: "
+                             "--auto_cast_type sets the dtype")
     parser.add_argument("--torch_dtype", default=None,
                         help="the same as --auto_cast_type, in torch's names: float32, bfloat16, float16")
     parser.add_argument("--backend", default=None, choices=("inductor", "neuron"),
@@ -84,7 +94,8 @@ def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
     level = parser.add_mutually_exclusive_group()
     for n in (1, 2, 3):
         level.add_argument(f"-O{n}", dest="optlevel", action="store_const", const=n,
-                           help=f"neuronx-cc optimization level {n} (neuron backend; default: 2)")
+                           help=f"neuronx-cc optimization level {n} (neuron backend; default: 2; accepted and "
+                                f"ignored on the inductor backend)")
 
 
 def hf_kwargs_from_args(args: argparse.Namespace) -> dict:
@@ -101,14 +112,19 @@ def neuron_config_from_args(args: argparse.Namespace, config=None):
     from ..configuration import NeuronConfig, canonical_dtype
 
     compiler_args = list(args.compiler_args)
+    if getattr(args, "auto_cast", None):
+        logging.getLogger("optimum_neuronx").info("--auto_cast %s ignored: decoders compute in --auto_cast_type "
+                                                  "(as optimum-neuron does for them).", args.auto_cast)
     if getattr(args, "optlevel", None):
         if (args.backend or ("neuron" if (args.num_cores or 1) > 1 else "inductor")) != "neuron":
-            raise ValueError(f"-O{args.optlevel} is a neuronx-cc optimization level: it applies to --backend neuron. "
-                             f"The inductor backend takes its options as --compiler_args NAME=VALUE.")
-        if any(arg.startswith("-O") for arg in compiler_args):
+            logging.getLogger("optimum_neuronx").info(
+                "-O%d ignored: it is a neuronx-cc optimization level, for --backend neuron (the inductor backend "
+                "takes its options as --compiler_args NAME=VALUE).", args.optlevel)
+        elif any(arg.startswith("-O") for arg in compiler_args):
             raise ValueError(f"-O{args.optlevel} and --compiler_args {compiler_args} both set the optimization level: "
                              f"keep one.")
-        compiler_args.append(f"-O{args.optlevel}")
+        else:
+            compiler_args.append(f"-O{args.optlevel}")
     dtype = args.auto_cast_type
     if getattr(args, "torch_dtype", None):
         if dtype and canonical_dtype(dtype) != canonical_dtype(args.torch_dtype):

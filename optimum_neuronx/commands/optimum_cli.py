@@ -12,8 +12,8 @@ import sys
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 from optimum.commands.export.base import ExportCommand
 
-from .cache import (add_cache_arguments, add_create_arguments, add_lookup_arguments, run_clear, run_create, run_list,
-                    run_lookup, run_synchronize)
+from .cache import (add_cache_arguments, add_create_arguments, add_lookup_arguments, add_set_arguments, run_clear,
+                    run_create, run_list, run_lookup, run_set, run_synchronize)
 from .estimate import add_estimate_arguments, run_estimate
 from .export import add_export_arguments, run_export, show_progress
 from .verify import add_verify_arguments, run_verify
@@ -73,7 +73,9 @@ class NeuronxCacheCommand(BaseOptimumCLICommand):
         _leaf("list", "List the compiled graphs in the local cache", add_cache_arguments, run_list),
         _leaf("lookup", "Cached exports of a model, from its config alone", add_lookup_arguments, run_lookup),
         _leaf("clear", "Remove every local entry", add_cache_arguments, run_clear),
-        _leaf("create", "Create a private Hub repo to share the cache", add_create_arguments, run_create),
+        _leaf("create", "Create a private Hub repo to share the cache (and use it by default)", add_create_arguments,
+              run_create),
+        _leaf("set", "Use this Hub repo as the shared compile cache by default", add_set_arguments, run_set),
         _leaf("synchronize", "Push the local entries the Hub cache repo lacks", add_cache_arguments,
               run_synchronize),
     )

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.allow_abbrev = False
     parser.add_argument("artifact_dir", type=Path, help="directory written by `optimum-cli export neuron`")
     parser.add_argument("--max_new_tokens", type=int, default=None,
                         help="tokens to generate (default: up to sequence_length, at most 128)")

@@ -47,7 +47,7 @@ def export(model_id: str, output_dir: str | Path, neuron_config: NeuronConfig,
     key = prepared.cache_key()
     trust_remote_code = bool((hf_kwargs or {}).get("trust_remote_code"))
     with cache.lock(key):
-        entry = cache.lookup(key) or _fetch_trusted(cache, key, trust_remote_code)
+        entry = cache.lookup(key, trusted=trust_remote_code) or _fetch_trusted(cache, key, trust_remote_code)
         if entry is not None:
             logger.info("Compile cache hit %s (%s): nothing to compile", key.digest, entry)
             return _write_export(prepared, output_dir, cached_graphs=entry)
@@ -253,7 +253,10 @@ class _Prepared:
     def cache_key(self) -> CacheKey:
         versions = {"optimum_neuronx": __version__, "artifact_format": ARTIFACT_FORMAT_VERSION,
                     "torch": torch.__version__, "compiler": self.backend_stamp()}
-        return cache_key(model_fields(self.config.model_type, self.spec), self.neuron_config.to_dict(), versions)
+        options = self.neuron_config.to_dict()
+        if not self.backend.targets_neuron_cores:  # the instance planned for changes nothing the CPU compiles
+            options["instance_type"] = None
+        return cache_key(model_fields(self.config.model_type, self.spec), options, versions)
 
 
 def model_fields(model_type: str, spec: DecoderSpec) -> dict:
@@ -279,7 +282,7 @@ def _write_export(p: _Prepared, output_dir: str | Path, cached_graphs: Optional[
         else:
             entry = read_entry_meta(cached_graphs)
             graph_files, times = tuple(entry["sha256"]), entry["compile_time_s"]
-            copy_artifact_files(cached_graphs, staging, include=graph_files)
+            copy_artifact_files(cached_graphs, staging, include=graph_files, link=False)
         # Configs are written from files, never from a live model (its config carries runtime-only fields).
         p.config.save_pretrained(staging)
         generation_config = p.generation_config
