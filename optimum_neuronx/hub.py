@@ -65,7 +65,7 @@ def model_card(artifact_dir: Path, repo_id: str, include_weights: bool = True):
 
 def push_artifact(artifact_dir: Path, repo_id: str, *, token: Optional[str] = None, private: Optional[bool] = None,
                   revision: Optional[str] = None, commit_message: Optional[str] = None, create_pr: bool = False,
-                  include_weights: bool = True):
+                  include_weights: bool = True, endpoint: Optional[str] = None):
     """Upload an exported directory and a generated model card to `repo_id`, in one commit (without the weights
     file when `include_weights=False`: the export names its Hub source checkpoint instead)."""
     from huggingface_hub import CommitOperationAdd, HfApi
@@ -80,7 +80,7 @@ def push_artifact(artifact_dir: Path, repo_id: str, *, token: Optional[str] = No
         raise ValueError(f"include_weights=False: {artifact_dir} was exported from a local directory, so it names no "
                          f"Hub checkpoint to take the weights from. Export it from the Hub repo id (e.g. "
                          f"from_pretrained('org/model', export=True)), or push with include_weights=True.")
-    api = HfApi(token=token)
+    api = HfApi(token=token, endpoint=endpoint)
     card = str(model_card(artifact_dir, repo_id, include_weights)).encode()
     skipped = {"README.md"} | (set() if include_weights else {WEIGHTS_NAME})
     operations = [CommitOperationAdd(path_in_repo=p.name, path_or_fileobj=str(p))

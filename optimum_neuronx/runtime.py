@@ -363,10 +363,15 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             push_artifact(save_directory, push_kwargs.pop("repo_id", None) or save_directory.resolve().name,
                           **push_kwargs)
 
-    def push_to_hub(self, repo_id: str, *, commit_message: Optional[str] = None, private: Optional[bool] = None,
+    def push_to_hub(self, repo_id: str | Path, repository_id: Optional[str] = None, *,
+                    commit_message: Optional[str] = None, private: Optional[bool] = None,
                     token: Optional[str] = None, revision: Optional[str] = None, create_pr: bool = False,
-                    include_weights: bool = True, **kwargs):
+                    include_weights: bool = True, endpoint: Optional[str] = None, **kwargs):
         """Upload the exported directory (weights, graphs, configs, tokenizer) plus a model card, in one commit.
+
+        `push_to_hub("me/model")`, as in Transformers; or optimum-neuron's `push_to_hub(save_directory,
+        repository_id, private=..., revision=..., token=..., endpoint=...)`, which pushes the export saved in
+        `save_directory` (checked like any export) to `repository_id`. `endpoint`: another Hub server.
 
         `include_weights=False` leaves the weights out: the export names its source checkpoint (Hub repo id and
         commit), from which from_pretrained fetches and converts them, checking them against the recorded sha256 -
@@ -375,8 +380,17 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         from .hub import push_artifact
 
         _warn_ignored("push_to_hub", kwargs)
-        return push_artifact(self._artifact_dir, repo_id, token=token, private=private, revision=revision,
-                             commit_message=commit_message, create_pr=create_pr, include_weights=include_weights)
+        directory = self._artifact_dir
+        if repository_id is not None:  # optimum-neuron's order: the directory first, then the repo
+            directory = Path(repo_id)
+            if not directory.is_dir():
+                raise ValueError(f"push_to_hub({str(repo_id)!r}, {repository_id!r}): the first argument is the saved "
+                                 f"export's directory in optimum-neuron's signature, and {repo_id} is not a directory. "
+                                 f"Call model.save_pretrained({str(repo_id)!r}) first, or push_to_hub({repository_id!r}).")
+            repo_id = repository_id
+        return push_artifact(directory, str(repo_id), token=token, private=private, revision=revision,
+                             commit_message=commit_message, create_pr=create_pr, include_weights=include_weights,
+                             endpoint=endpoint)
 
     # -- generation ---------------------------------------------------------------------------------
     # Transformers' own, plus what its LongRoPE models (phi3) do: the step whose input passes the pretraining length
@@ -600,10 +614,22 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"{asked}: the compiled graphs return logits only, at the positions generation needs. "
                              f"Run the original checkpoint with transformers.AutoModelForCausalLM for a loss, hidden "
                              f"states or attention weights.")
+        served_elsewhere = [k for k in ("position_ids", "seq_ids", "sampling_params") if kwargs.get(k) is not None]
+        if served_elsewhere:
+            raise ValueError(f"forward({', '.join(f'{k}=...' for k in served_elsewhere)}): optimum-neuron's vLLM "
+                             f"runner call is not served by this model: positions come from attention_mask (left or "
+                             f"right padding), every row shares this model's KV cache (no per-sequence slots) and "
+                             f"sampling runs in generate. Pass input_ids and attention_mask, or call generate.")
         past_key_values = cache if cache is not None else past_key_values
         self._check_input_ids(input_ids)
         self._check_batch(input_ids.shape[0], f"batch of {input_ids.shape[0]} sequences")
         if attention_mask is not None:
+            if not torch.is_tensor(attention_mask) or attention_mask.is_complex() or \
+                    not ((attention_mask == 0) | (attention_mask == 1)).all():
+                found = (torch.unique(attention_mask)[:5].tolist() if torch.is_tensor(attention_mask)
+                         else type(attention_mask).__name__)
+                raise ValueError(f"attention_mask must hold 0 (padding) and 1 (a real token) only, got {found}: pass "
+                                 f"the mask the tokenizer returned with the ids.")
             attention_mask = attention_mask.to(torch.bool)
             empty = (~attention_mask.any(dim=-1)).nonzero().flatten().tolist()
             if empty:
@@ -645,6 +671,8 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         positions = torch.zeros(nc.batch_size, bucket, dtype=torch.long)
         positions[:b, :n] = (mask.long().cumsum(-1) - 1).clamp(min=0)
         last = torch.full((nc.batch_size,), n - 1, dtype=torch.long)
+        # each row's last real token (right padding leaves padding after it: the row continues from that token)
+        last[:b] -= mask.flip(-1).to(torch.uint8).argmax(-1)
         logits = self._picked(self._graphs[f"context_{bucket}"](
             [ids, positions, torch.zeros(1, dtype=torch.long), cache.valid_window(bucket), last, cache.kv,
              *self._sampling_input()]

@@ -232,3 +232,46 @@ def test_a_checkpoints_own_cache_choice_is_dropped_quietly(pair, saved_tiny_llam
         actual = model.generate(prompt, max_new_tokens=8, do_sample=False)
     assert "ignored" not in caplog.text
     assert torch.equal(actual, pair[1].generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_right_padded_batches_continue_from_each_rows_last_token(compiled_model, reference_model):
+    """optimum-neuron's habit: right padding. Each row continues from its own last real token (positions and keys
+    from the mask): its new tokens equal the same prompt generated alone, and Transformers' for that prompt."""
+    import torch
+
+    from conftest import left_padded_prompts
+
+    left_ids, left_mask = left_padded_prompts([16, 11, 5], seed=7)
+    right_ids, right_mask = torch.zeros_like(left_ids), torch.zeros_like(left_mask)
+    for row in range(3):
+        n = int(left_mask[row].sum())
+        right_ids[row, :n], right_mask[row, :n] = left_ids[row, -n:], 1
+    model = compiled_model("llama")
+    out = model.generate(right_ids, attention_mask=right_mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    for row in range(3):
+        n = int(right_mask[row].sum())
+        alone = right_ids[row:row + 1, :n]
+        expected = reference_model("llama").generate(alone, attention_mask=torch.ones_like(alone), max_new_tokens=20,
+                                                     do_sample=False, eos_token_id=None)[0, n:]
+        assert torch.equal(out[row, right_ids.shape[1]:], expected), row
+
+
+def test_attention_mask_values_other_than_0_and_1_are_refused(compiled_model):
+    import pytest
+    import torch
+
+    ids = torch.tensor([[5, 6, 7]])
+    for mask in (torch.tensor([[0, 1, 2]]), torch.tensor([[0.5, 1.0, 1.0]]), torch.tensor([[-1, 1, 1]])):
+        with pytest.raises(ValueError, match=r"attention_mask must hold 0 \(padding\) and 1 \(a real token\) only"):
+            compiled_model("llama")(ids, attention_mask=mask)
+
+
+def test_optimum_neuron_vllm_runner_arguments_are_refused(compiled_model):
+    import pytest
+    import torch
+
+    ids = torch.tensor([[5, 6, 7]])
+    for name, value in (("position_ids", torch.arange(3)[None]), ("seq_ids", torch.tensor([0])),
+                        ("sampling_params", torch.ones(1, 3))):
+        with pytest.raises(ValueError, match=rf"forward\({name}=...\): optimum-neuron's vLLM runner call is not"):
+            compiled_model("llama")(ids, **{name: value})

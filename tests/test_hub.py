@@ -353,3 +353,32 @@ def test_optimum_neuron_cache_commands_and_variables(hub, tiny_checkpoint, tmp_p
         assert f"0 in the Hub repo {expected}" in result.stdout, result.stdout
     synchronized = run("synchronize", "--compile_cache_dir", str(tmp_path / "empty"), "--repo_id", "me/named-cache")
     assert synchronized.returncode == 0 and "to me/named-cache" in synchronized.stdout, synchronized.stderr[-2000:]
+
+
+OPTIMUM_NEURON_PUSH = """
+import sys
+from optimum_neuronx import NeuronModelForCausalLM
+model = NeuronModelForCausalLM.from_pretrained(sys.argv[1])
+model.save_pretrained(sys.argv[2])
+model.push_to_hub(sys.argv[2], sys.argv[3], private=True, revision="main", token="hf_test", endpoint=sys.argv[4])
+try:
+    model.push_to_hub(sys.argv[2] + "-missing", sys.argv[3], endpoint=sys.argv[4])
+except ValueError as err:
+    print("refused:", err)
+"""
+
+
+def test_optimum_neuron_push_to_hub_signature(hub, saved_tiny_llama, tmp_path):
+    """push_to_hub(save_directory, repository_id, private=, revision=, token=, endpoint=) pushes that directory to
+    repository_id (not to a repo named after the folder), at the endpoint given (HF_ENDPOINT points elsewhere)."""
+    import subprocess
+    import sys
+
+    env = {**hub_env("http://127.0.0.1:9", tmp_path / "home")}  # nothing listens there: only `endpoint` can work
+    result = subprocess.run([sys.executable, "-c", OPTIMUM_NEURON_PUSH, str(saved_tiny_llama), str(tmp_path / "saved"),
+                             "me/optimum-neuron-style", hub.url], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    repo = hub.state.repos["me/optimum-neuron-style"]
+    assert repo["private"] is True and "saved" not in hub.state.repos
+    assert repo["files"]["model.pt2"] == (tmp_path / "saved" / "model.pt2").read_bytes()
+    assert "refused:" in result.stdout and "is not a directory" in result.stdout
