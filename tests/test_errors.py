@@ -240,3 +240,29 @@ def test_interrupted_save_leaves_previous_artifact_usable(compiled_model, saved_
     assert sorted(p.name for p in target.iterdir()) == before
     assert [p.name for p in tmp_path.iterdir()] == ["saved"]
     NeuronModelForCausalLM.from_pretrained(target)
+
+
+def test_sequence_length_past_max_position_embeddings(tiny_checkpoint, caplog):
+    """Refused, naming both, unless the model's RoPE scaling covers it (then logged): the tiny llama's llama3 scaling
+    (factor 4 over 32 positions) covers 128, not its max_position_embeddings of 256; qwen2's plain RoPE covers
+    nothing past 256."""
+    import logging
+
+    from optimum_neuronx.configuration import NeuronConfig
+    from optimum_neuronx.exporters.export import prepare
+
+    with pytest.raises(ValueError, match=r"sequence_length = 512 is longer than the model's max_position_embeddings "
+                                         r"= 256: positions past it were never trained. Export with sequence_length "
+                                         r"<= 256"):
+        prepare(str(tiny_checkpoint("qwen2")), NeuronConfig(sequence_length=512), load_weights=False)
+    from transformers import AutoConfig
+
+    from optimum_neuronx.exporters.registry import get_export_config
+
+    config = AutoConfig.from_pretrained(tiny_checkpoint("llama"))
+    config.max_position_embeddings = 64
+    with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
+        get_export_config("llama").decoder_spec(config, NeuronConfig(sequence_length=128))
+    assert "sequence_length 128 is past max_position_embeddings 64; its llama3 RoPE scaling covers 128" in caplog.text
+    with pytest.raises(ValueError, match=r"and what its llama3 RoPE scaling covers \(128\)"):
+        get_export_config("llama").decoder_spec(config, NeuronConfig(sequence_length=256))

@@ -6,6 +6,7 @@ weight-name mapping from the Transformers checkpoint to the decoder's (fused) pa
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Mapping, Union
@@ -15,6 +16,8 @@ import torch
 from ..configuration import NeuronConfig
 from ..modeling.decoder import DecoderSpec, window_cache_places
 from ..modeling.layout import untile_weight
+
+logger = logging.getLogger(__name__)
 
 # A flag is either a constant or the name of a boolean field of the Transformers config.
 Flag = Union[bool, str]
@@ -45,6 +48,8 @@ LLAMA_FAMILY_WEIGHTS: Mapping[str, tuple[str, ...]] = {
 }
 
 _LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
+
+logger = logging.getLogger(__name__)
 
 
 def _flag(config, flag: Flag) -> bool:
@@ -97,6 +102,8 @@ class ExportConfig:
                 raise ValueError(f"{self.model_type}: sequence_length = {neuron_config.sequence_length} is longer than "
                                  f"the model's learned position table (max_position_embeddings = {limit}): export "
                                  f"with sequence_length <= {limit}.")
+        else:
+            self._check_rope_length(config, neuron_config.sequence_length)
         for layer_type, rope in _rope_sets(config).items():
             where = f"config.rope_parameters{f'[{layer_type!r}]' if layer_type else ''}"
             rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -131,6 +138,27 @@ class ExportConfig:
                 f"context bucket of at least {after + 1} tokens; the largest is {neuron_config.context_buckets[-1]}. "
                 f"Add one (e.g. context_buckets=[..., {neuron_config.sequence_length}]) or export with "
                 f"sequence_length <= {after}.")
+
+    def _check_rope_length(self, config, sequence_length: int) -> None:
+        """sequence_length past max_position_embeddings only where the model's RoPE scaling covers it (logged)."""
+        limit = getattr(config, "max_position_embeddings", None)
+        if not isinstance(limit, int) or sequence_length <= limit:
+            return
+        covered, how = limit, ""
+        for rope in _rope_sets(config).values():
+            factor = (rope or {}).get("factor")
+            if isinstance(factor, (int, float)) and factor > 1:
+                original = rope.get("original_max_position_embeddings") or getattr(
+                    config, "original_max_position_embeddings", None) or limit
+                if int(original * factor) > covered:
+                    covered, how = int(original * factor), rope.get("rope_type", rope.get("type", "?"))
+        if sequence_length > covered:
+            raise ValueError(f"{self.model_type}: sequence_length = {sequence_length} is longer than the model's "
+                             f"max_position_embeddings = {limit}" + (f" and what its {how} RoPE scaling covers "
+                                                                      f"({covered})" if how else "")
+                             + f": positions past it were never trained. Export with sequence_length <= {covered}.")
+        logger.info("%s: sequence_length %d is past max_position_embeddings %d; its %s RoPE scaling covers %d.",
+                    self.model_type, sequence_length, limit, how, covered)
 
     # -- decoder spec -----------------------------------------------------------------------------
     def decoder_spec(self, config, neuron_config: NeuronConfig) -> DecoderSpec:
