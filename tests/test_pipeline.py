@@ -62,3 +62,16 @@ def test_pipeline_refuses_a_model_that_is_not_a_supported_causal_lm(tmp_path):
         pipeline("text-generation", model=str(tmp_path), export=True, sequence_length=32)
     with pytest.raises(ValueError, match=r"Task 'summarization' is not supported; supported tasks: text-generation"):
         pipeline("summarization", model=str(tmp_path))
+
+
+def test_optimum_neuron_pipeline_dicts_are_export_options(smollm2_checkpoint, smollm2_compiled, saved_smollm2):
+    """optimum-neuron's pipeline(..., export=True, input_shapes={...}, compiler_args={...}): the same export as the
+    keywords give (a compile-cache hit of the session's SmolLM2 export), the same answers."""
+    pipe = pipeline("text-generation", model=str(smollm2_checkpoint), export=True,
+                    input_shapes={"batch_size": 2, "sequence_length": 128},
+                    compiler_args={"auto_cast_type": "fp32", "num_cores": 1}, context_buckets=[64], token_buckets=[128])
+    assert pipe.model.neuron_config == smollm2_compiled.neuron_config
+    reference = pipeline("text-generation", model=str(saved_smollm2))
+    assert pipe("The capital of France is", **GREEDY) == reference("The capital of France is", **GREEDY)
+    with pytest.raises(ValueError, match=r"\['optlevel'\] are not export options"):
+        pipeline("text-generation", model=str(smollm2_checkpoint), export=True, compiler_args={"optlevel": 2})
