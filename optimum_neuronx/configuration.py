@@ -25,6 +25,8 @@ MIN_DEFAULT_BUCKET = 128
 # Default sequence_length: the model's context length, capped here (as optimum-neuron does): a longer KV cache costs
 # memory and compile time for lengths few requests reach.
 MAX_DEFAULT_SEQUENCE_LENGTH = 4096
+# The most graphs one export compiles: each costs a compile (seconds to minutes) and a load.
+MAX_GRAPHS = 64
 # Weight-only quantizations an export can ask for (modeling/quantization.py implements them).
 QUANTIZATIONS = ("int8",)
 # The compiler backends (backends/); backends.get_backend(name) loads one.
@@ -191,6 +193,11 @@ class NeuronConfig:
                 f"The largest token-generation bucket ({self.token_buckets[-1]}) must equal sequence_length "
                 f"({seq}) so that decoding can use the whole KV cache: add {seq} to token_buckets."
             )
+        count = len(self.context_buckets) + len(self.token_buckets) * (2 if self.speculation_length else 1)
+        if count > MAX_GRAPHS:
+            raise ValueError(f"{len(self.context_buckets)} context and {len(self.token_buckets)} token buckets make "
+                             f"{count} graphs to compile, more than {MAX_GRAPHS}: pass fewer context_buckets / "
+                             f"token_buckets (the defaults are powers of two).")
         if self.instance_type is not None:
             instance = instance_type(self.instance_type)
             if self.tp_degree not in instance.tp_degrees:

@@ -106,3 +106,25 @@ def check_fits_neuron_cores(estimate: MemoryEstimate) -> None:
         raise ValueError(f"tp_degree (num_cores) = {estimate.tp_degree} needs {per_core / GIB:.1f} GiB per "
                          f"NeuronCore, more than the {available / GIB:g} GiB of one on {estimate.instance.name} "
                          f"({estimate.summary()}); {fix}.")
+
+
+def available_host_memory() -> Optional[int]:
+    """Bytes of memory this machine can still give (Linux MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits_host_memory(needed: int, what: str) -> None:
+    """Refuse, before allocating, `needed` bytes this machine does not have available (needed vs available)."""
+    available = available_host_memory()
+    if available is not None and needed > available:
+        raise ValueError(f"{what} needs {needed / GIB:.2f} GiB of this machine's memory, but {available / GIB:.2f} GiB "
+                         f"is available: lower batch_size or sequence_length, use fewer layers or a smaller dtype, or "
+                         f"free memory.")
+

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import math
 import tempfile
 import threading
 import time
@@ -30,7 +31,8 @@ from .backends import get_backend
 from .buckets import context_bucket, token_bucket
 from .cache import CompileCache
 from .configuration import GraphSpec, NeuronConfig, canonical_dtype
-from .exporters.registry import get_export_config
+from .exporters.registry import get_export_config, load_model_config
+from .memory import check_fits_host_memory
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
 from .modeling.decoder import StaticDecoder
 from .modeling.sampling import MAX_TOP_K, SAMPLING_FIELDS
@@ -245,7 +247,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         fields = {f for f in NeuronConfig.__dataclass_fields__}
         nc_options = {k: options.pop(k) for k in list(options) if k in fields}
         if config is None:  # `options` left are Transformers' loading keywords, for the config only
-            config = AutoConfig.from_pretrained(model_name_or_path, token=token, revision=revision, **options)
+            config = load_model_config(model_name_or_path, token=token, revision=revision, **options)
         tp = nc_options.pop("tp_degree", None) or tensor_parallel_size
         return NeuronConfig.for_model(config, batch_size=batch_size, sequence_length=sequence_length, tp_degree=tp,
                                       auto_cast_type=auto_cast_type, **nc_options)
@@ -333,8 +335,15 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                                 f"NeuronModelForCausalLM.from_pretrained, which rebuilds its graphs here.")
         backend = get_backend(neuron_config.backend)
         with verified_copy(artifact_dir, meta, neuron_config) as private:
-            config = AutoConfig.from_pretrained(private)
-            weights = load_weights(artifact_dir, meta, huge_pages=_use_huge_pages(huge_pages, backend))
+            config = load_model_config(private)
+            in_memory = _use_huge_pages(huge_pages, backend)
+            if backend.uses_host_memory():
+                spec = get_export_config(config.model_type).decoder_spec(config, neuron_config)
+                kv_bytes = math.prod(spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length))
+                weight_bytes = (Path(artifact_dir) / WEIGHTS_NAME).stat().st_size if in_memory else 0
+                check_fits_host_memory(kv_bytes * neuron_config.torch_dtype.itemsize + weight_bytes,
+                                       f"Loading {artifact_dir} (its KV cache{' and weights' if in_memory else ''})")
+            weights = load_weights(artifact_dir, meta, huge_pages=in_memory)
             graph_specs = [GraphSpec(**g) for g in meta["graphs"]]
             graphs = backend.load(private, graph_specs, weights)
             generation_config = None

@@ -24,6 +24,11 @@ class Backend(ABC):
     # there by default (huge_pages.py).
     streams_host_weights: bool = False
 
+    def uses_host_memory(self) -> bool:
+        """Whether the weights and the KV cache live in this machine's memory when the graphs run here (checked
+        against what it has available before allocating)."""
+        return True
+
     # Whether graphs may be sharded across several cores (tensor parallelism, NeuronConfig.tp_degree > 1).
     shards: bool = False
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +19,14 @@ from ..configuration import NEURON_CONFIG_NAME
 from ..digests import file_sha256
 from ..backends import Backend, get_backend
 from ..configuration import GraphSpec, NeuronConfig
-from ..memory import check_fits_neuron_cores, estimate_memory
+from ..memory import check_fits_host_memory, check_fits_neuron_cores, estimate_memory
 from ..modeling.decoder import DecoderSpec, StaticDecoder
 from ..modeling.quantization import dequantize_weights, quantize_weights
 from ..modeling.sharding import ShardLayout
 from ..trust import record_produced_here
 from ..version import ARTIFACT_FORMAT_VERSION, __version__
 from ..weights_io import save_weights
-from .registry import get_export_config
+from .registry import get_export_config, load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def artifact_state_dict(artifact_dir: str | Path) -> tuple[object, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     artifact_dir = Path(artifact_dir)
-    config = AutoConfig.from_pretrained(artifact_dir)
+    config = load_model_config(artifact_dir)
     with torch.device("meta"):
         expected = AutoModelForCausalLM.from_config(config).state_dict()
     weights = dequantize_weights(load_file(str(artifact_dir / WEIGHTS_NAME)))  # int8 ones back to float32
@@ -119,9 +120,10 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     if not from_export:
         _refuse_export_as_checkpoint(model_id, hf_kwargs)
     # Refuse unsupported models before loading any weights.
-    config = AutoConfig.from_pretrained(model_id, **hf_kwargs)
+    config = load_model_config(model_id, **hf_kwargs)
     export_config = get_export_config(config.model_type)
     spec = export_config.decoder_spec(config, neuron_config)
+    check_layers_against_weights(model_id, from_export, spec.num_layers)
     if neuron_config.tp_degree > 1 and not backend.shards:
         raise ValueError(
             f"tp_degree (num_cores) = {neuron_config.tp_degree}: the {backend.name} backend does not shard graphs "
@@ -139,6 +141,10 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     logger.info("Memory estimate: %s", estimate.summary())
     if backend.targets_neuron_cores:
         check_fits_neuron_cores(estimate)
+    if backend.uses_host_memory() and load_weights:
+        check_fits_host_memory(estimate.total_bytes, f"Exporting this model (weights + KV cache for batch_size "
+                                                     f"{neuron_config.batch_size} x sequence_length "
+                                                     f"{neuron_config.sequence_length})")
     graphs = neuron_config.graphs()
     logger.info("Buckets: context %s, token generation %s (%d graphs, backend %s, %s)",
                 list(neuron_config.context_buckets), list(neuron_config.token_buckets), len(graphs),
@@ -180,6 +186,38 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     decoder.eval()
     return _Prepared(model_id, neuron_config, hf_kwargs, backend, config, spec, decoder, graphs,
                      generation_config, start, source)
+
+
+_LAYER_INDEX_IN_NAME = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+def check_layers_against_weights(model_id: str, from_export: bool, num_layers: int) -> None:
+    """The layer count config.json gives against the weights' own (read from the safetensors headers only), before
+    anything of that size is built: a config claiming a million layers over weights for two is refused at once."""
+    from safetensors import safe_open
+
+    directory = Path(model_id)
+    if not directory.is_dir():
+        return  # a Hub checkpoint: Transformers' loader compares it with its weights
+    files = [directory / WEIGHTS_NAME] if from_export else sorted(directory.glob("*.safetensors"))
+    found = -1
+    for path in files:
+        if not path.is_file():
+            continue
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    match = _LAYER_INDEX_IN_NAME.search(name)
+                    if match:
+                        found = max(found, int(match.group(1)))
+                    elif from_export and name.startswith("layers."):  # stacked: [layers, ...]
+                        found = max(found, f.get_slice(name).get_shape()[0] - 1)
+        except Exception as err:  # noqa: BLE001 (the weights' own loader says what is wrong with them)
+            logger.debug("Could not read %s's header to count layers: %s", path, err)
+            return
+    if found >= 0 and found + 1 != num_layers:
+        raise ArtifactError(f"{model_id}: config.json gives {num_layers} layers but the weights hold {found + 1}: "
+                            f"config and weights do not belong together.")
 
 
 def with_environment_compiler_args(neuron_config: NeuronConfig, backend: Backend) -> NeuronConfig:

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 # A flag is either a constant or the name of a boolean field of the Transformers config.
 Flag = Union[bool, str]
 
+# The largest size a config field may give (layers, heads, widths, vocabulary): far past any real model's.
+MAX_CONFIG_SIZE = 1 << 24
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -92,6 +94,15 @@ class ExportConfig:
 
     def check_supported(self, config, neuron_config: NeuronConfig) -> None:
         """Refuse, at export, every config feature the static decoder does not implement."""
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size"):
+            value = self.config_value(config, name) if name == "intermediate_size" else getattr(config, name, None)
+            optional = name in ("num_key_value_heads", "head_dim", "intermediate_size")
+            if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool) and
+                                                0 < value <= MAX_CONFIG_SIZE):
+                continue
+            raise ValueError(f"{self.model_type}: config.{name} = {value!r} must be a positive integer (at most "
+                             f"{MAX_CONFIG_SIZE}); the config is damaged or not this model's.")
         for name, value in self.required.items():
             if getattr(config, name, value) != value:
                 raise ValueError(f"{self.model_type}: config.{name} = {getattr(config, name)!r} is not supported by the "

@@ -21,6 +21,41 @@ _EXPORT_CONFIG_MODULES = {
 }
 
 
+def load_model_config(model_id, **kwargs):
+    """Transformers' AutoConfig for `model_id`, its failures on a damaged config.json (a zero head count, nesting
+    deeper than Python recurses, wrong types) turned into one ValueError naming the file and the cause."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_id, **kwargs)
+    except (OSError, ValueError):
+        raise
+    except RecursionError:
+        raise ValueError(f"{model_id}: config.json nests too deeply to be a model's config.") from None
+    except (ArithmeticError, TypeError, KeyError, AttributeError, StrictDataclassError) as err:
+        raise ValueError(f"{model_id}: config.json is not a valid model config ({_damaged_field(model_id)}"
+                         f"{type(err).__name__}: {err}).") from None
+
+
+def _damaged_field(model_id) -> str:
+    """"config.NAME = VALUE must be a positive integer; " for the first size field of a local config.json that is
+    not one, else ""."""
+    import json
+    from pathlib import Path
+
+    try:
+        fields = json.loads((Path(model_id) / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return ""
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "intermediate_size", "n_head", "n_layer", "n_embd"):
+        value = fields.get(name) if isinstance(fields, dict) else None
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            return f"config.{name} = {value!r} must be a positive integer; "
+    return ""
+
+
 # Model types close to a supported one, with what to do instead.
 _HINTS = {
     "gemma3": "it is Gemma 3's vision-language model (Gemma3ForConditionalGeneration). Export a text checkpoint "

@@ -57,6 +57,10 @@ class NeuronBackend(Backend):
     def kernels(self, dtype: torch.dtype, batch_size: int, quantization: str | None = None) -> NeuronKernels:
         return NeuronKernels()
 
+    def uses_host_memory(self) -> bool:
+        # Without AWS's plugin the graphs run on the XLA CPU device: the KV cache is allocated in full on the host.
+        return importlib.util.find_spec("libneuronxla") is None
+
     def check_compiler_args(self, compiler_args) -> None:
         neuronx_cc.check_flags(compiler_args)
 
