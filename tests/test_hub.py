@@ -283,7 +283,9 @@ def test_cache_create_synchronize_and_lookup_through_the_hub(hub, tiny_checkpoin
     cache = ["--compile_cache_dir", str(tmp_path / "local-cache")]
     run = lambda *args: subprocess.run([cli, "neuron", "cache", *args], capture_output=True, text=True,  # noqa: E731
                                        timeout=600, env=env)
-    created = run("create", "me/shared-cache")
+    # created from another home: `create` makes the repo this home's default, which would push on export
+    created = subprocess.run([cli, "neuron", "cache", "create", "me/shared-cache"], capture_output=True, text=True,
+                             timeout=600, env=hub_env(hub.url, tmp_path / "creator-home"))
     assert created.returncode == 0, created.stderr[-2000:]
     assert hub.state.repos["me/shared-cache"]["private"] is True and "private compile cache repo" in created.stdout
 
