@@ -102,3 +102,44 @@ def test_neuron_cc_flags_reach_neuronx_cc_through_the_allow_list(tiny_checkpoint
     with pytest.raises(ValueError, match=r"\$NEURON_CC_FLAGS: neuronx-cc flag '--logfile' is refused"):
         prepare(str(tiny_checkpoint("llama")), config, load_weights=False)
     assert get_backend("inductor").environment_compiler_args() == ()  # the variable is neuronx-cc's alone
+
+
+CALLBACK_MODULE = """module @m {
+  func.func public @main(%arg0: tensor<2xf32>) -> (tensor<2xf32>) {
+    %0 = stablehlo.custom_call @xla_python_cpu_callback(%arg0) {api_version = 2 : i32} : (tensor<2xf32>) -> tensor<2xf32>
+    return %0 : tensor<2xf32>
+  }
+}"""
+GENERIC_MODULE = CALLBACK_MODULE.replace(
+    "stablehlo.custom_call @xla_python_cpu_callback(%arg0) {api_version = 2 : i32}",
+    '"stablehlo.custom_call"(%arg0) {call_target_name = "lapack_sgesdd_ffi"}')
+ENTRY = {"name": "token_32", "shards": 1, "outputs": ["logits"], "aliases": {},
+         "arguments": [{"name": "x", "kind": "input", "shape": [2], "dtype": "float32", "sharded_axis": None}]}
+
+
+@pytest.mark.parametrize("text, target", [(CALLBACK_MODULE, "xla_python_cpu_callback"),
+                                          (GENERIC_MODULE, "lapack_sgesdd_ffi")])
+def test_stablehlo_custom_calls_from_an_artifact_are_refused(text, target):
+    """A module from an export's .mlir calling a target jaxlib registers (a Python callback, a LAPACK kernel with
+    the module's layouts) is refused before anything compiles it, naming the target."""
+    from optimum_neuronx.backends.neuron.stablehlo import StableHLOGraph
+
+    with pytest.raises(ValueError, match=rf"graph token_32: its StableHLO makes custom calls to {target}, which the "
+                                         rf"lowering never emits"):
+        StableHLOGraph.from_dict(ENTRY, text)
+    assert StableHLOGraph.from_dict(ENTRY, CALLBACK_MODULE.replace(
+        "stablehlo.custom_call @xla_python_cpu_callback(%arg0) {api_version = 2 : i32}", "stablehlo.abs %arg0")).name
+
+
+def test_the_lowering_itself_emits_no_custom_call():
+    """What the allow-list is measured against: the sampling head (top-k, sort, cumulative sums) and a decoder graph
+    lower to plain StableHLO ops."""
+    from optimum_neuronx.backends.neuron.stablehlo import lower_graph
+    from optimum_neuronx.modeling.sampling import sample_tokens
+
+    class Head(torch.nn.Module):
+        def forward(self, logits, sampling):
+            return sample_tokens(logits, sampling)
+
+    graph = lower_graph(Head(), (torch.randn(2, 300), torch.rand(2, 4)), "head")
+    assert "custom_call" not in graph.text

@@ -87,10 +87,33 @@ class StableHLOGraph:
 
     @classmethod
     def from_dict(cls, entry: dict, text: str) -> "StableHLOGraph":
+        """The graph a manifest entry and its module text describe; a module calling anything but what the
+        lowering emits is refused (`check_custom_calls`)."""
+        check_custom_calls(text, entry.get("name", "?"))
         arguments = tuple(GraphArgument(a["name"], a["kind"], tuple(a["shape"]), a["dtype"], a["sharded_axis"])
                           for a in entry["arguments"])
         return cls(entry["name"], text, arguments, tuple(entry["outputs"]),
                    {int(a): int(o) for a, o in entry["aliases"].items()}, int(entry["shards"]))
+
+
+# The custom_call targets our lowering emits (none: torch-mlir lowers every op of the decoder to StableHLO ops).
+# Any other target - a Python callback, a LAPACK kernel jaxlib registers - runs native code with the module's
+# layouts, which a StableHLO file from elsewhere can choose: refused before compiling.
+ALLOWED_CUSTOM_CALLS: frozenset[str] = frozenset()
+_CUSTOM_CALL = re.compile(r'custom_call\b\s*(?:@([\w.$-]+)|\(|")')
+_CALL_TARGET = re.compile(r'call_target_name\s*=\s*"([^"]*)"')
+
+
+def check_custom_calls(text: str, graph: str) -> None:
+    """Refuse a StableHLO module that makes a custom call to a target outside ALLOWED_CUSTOM_CALLS, naming it."""
+    if "custom_call" not in text:
+        return
+    targets = {m.group(1) for m in _CUSTOM_CALL.finditer(text) if m.group(1)}
+    targets |= set(_CALL_TARGET.findall(text))
+    refused = sorted(targets - ALLOWED_CUSTOM_CALLS) or ["(a custom_call whose target could not be read)"]
+    raise ValueError(f"graph {graph}: its StableHLO makes custom calls to {', '.join(refused)}, which the lowering "
+                     f"never emits (they run native code outside the graph): refusing to compile it. Re-export the "
+                     f"model.")
 
 
 def hlo_sharding(rank: int, axis: Optional[int], shards: int) -> str:
@@ -154,6 +177,7 @@ def lower_graph(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
             raise ValueError(f"graph {name}: output {index} is a {spec.kind.name}; only user outputs and in-place "
                              f"writes of inputs are lowered")
     text = _import(program, name)
+    check_custom_calls(text, name)
     return StableHLOGraph(name, _with_aliases(_portable(text), aliases), tuple(arguments), tuple(outputs), aliases)
 
 
