@@ -26,6 +26,7 @@ import torch
 from .backends import get_backend
 from .configuration import NEURON_CONFIG_NAME, GraphSpec, NeuronConfig
 from .digests import file_sha256
+from .tempdirs import process_alive, temporary_directory
 from .version import ARTIFACT_FORMAT_VERSION, __version__
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,13 @@ def check_file_name(directory: Path, name: str) -> Path:
     if path.is_symlink():
         # A Hub snapshot's files link to its repo's blobs folder (huggingface_hub's cache layout); nothing else.
         allowed = [Path(directory).resolve()]
-        if Path(directory).absolute().parent.name == "snapshots":
-            allowed.append((Path(directory).absolute().parent.parent / "blobs").resolve())
+        snapshots = Path(directory).absolute().parent
+        repo = snapshots.parent
+        blobs = repo / "blobs"
+        # only a real Hub cache layout: neither the repo folder, its snapshots nor its blobs folder a link elsewhere
+        if snapshots.name == "snapshots" and not any(p.is_symlink() for p in (repo, snapshots, blobs)) \
+                and blobs.is_dir():
+            allowed.append(blobs.resolve())
         if not any(path.resolve().is_relative_to(root) for root in allowed):
             raise ArtifactError(f"{path} is a symbolic link out of the export directory. Refusing to read it.")
     return path
@@ -202,7 +208,7 @@ def verified_copy(directory: str | Path, meta: dict, neuron_config: NeuronConfig
     verified, whatever happens to `directory` meanwhile (a file renamed over after it was hashed)."""
     directory = Path(directory)
     redo = "Re-export the model with NeuronModelForCausalLM.from_pretrained(model_id, export=True, ...)."
-    with tempfile.TemporaryDirectory(prefix="optimum-neuronx-verified-") as private:
+    with temporary_directory("verified") as private:
         private = Path(private)
         for name, info in meta["files"].items():
             if name in exclude:
@@ -288,10 +294,11 @@ def _optimum_neuron_message(directory: Path, flavour: str, meta: dict | None) ->
 
 @contextlib.contextmanager
 def atomic_directory(target: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling of `target`; move its files into `target` only if the block succeeds.
+    """Yield a temporary sibling of `target`; it becomes `target` only if the block succeeds.
 
-    An interrupted export leaves no partial `target` behind, only nothing (the temporary is removed).
-    """
+    An existing `target` is swapped out whole (renamed aside, the new folder renamed in, the old one removed), with
+    any file of its own the new content lacks linked across: a process killed at any point leaves the old content
+    or the new one, never a mix (the next write puts a swapped-out folder back if `target` is missing)."""
     target = Path(target).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(target)
@@ -301,38 +308,39 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
         if not target.exists():
             os.rename(staging, target)
             return
-        if not target.is_dir():
+        if not target.is_dir() or target.is_symlink():
             raise NotADirectoryError(f"Cannot save into {target}: it exists and is not a directory.")
-        # Saving into an existing directory: stale stamps go first so a crash can't pair old files with them.
-        (target / NEURON_CONFIG_NAME).unlink(missing_ok=True)
-        names = sorted(os.listdir(staging), key=lambda n: n == NEURON_CONFIG_NAME)
-        for name in names:
-            os.replace(staging / name, target / name)
+        for entry in target.iterdir():  # a user's own files in the folder stay
+            if not (staging / entry.name).exists() and entry.name != NEURON_CONFIG_NAME:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.copytree(entry, staging / entry.name, symlinks=True, copy_function=os.link)
+                else:
+                    os.link(entry, staging / entry.name, follow_symlinks=False)
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
+        os.rename(target, old / "content")
+        os.rename(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 def _remove_stale_staging(target: Path) -> None:
-    """Remove staging folders of `target` left by processes that died mid-write (killed: no `finally` ran)."""
-    prefix = f".{target.name}.tmp-"
-    for entry in target.parent.iterdir():
-        if not entry.name.startswith(prefix):
-            continue
-        pid = entry.name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        logger.info("Removing %s, left by an interrupted write (process %s)", entry, pid)
-        shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Remove staging folders of `target` left by processes that died mid-write (killed: no `finally` ran); put a
+    swapped-out old content back where `target` is missing."""
+    for kind in ("old", "tmp"):  # a missing target is restored before anything else is removed
+        prefix = f".{target.name}.{kind}-"
+        for entry in sorted(target.parent.iterdir()):
+            if not entry.name.startswith(prefix):
+                continue
+            pid = entry.name[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or process_alive(int(pid)):
+                continue
+            if kind == "old" and not target.exists() and (entry / "content").is_dir():
+                logger.warning("Restoring %s from %s: a process (%s) was killed while replacing it", target, entry,
+                               pid)
+                os.rename(entry / "content", target)
+            logger.info("Removing %s, left by an interrupted write (process %s)", entry, pid)
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def copy_artifact_files(source: Path, destination: Path, exclude: tuple[str, ...] = (),

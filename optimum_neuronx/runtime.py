@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import logging
 import math
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from .memory import check_fits_host_memory
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
 from .modeling.decoder import StaticDecoder
 from .modeling.sampling import MAX_TOP_K, SAMPLING_FIELDS
+from .tempdirs import temporary_directory
 from .weights_io import load_weights
 
 logger = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                 kwargs[name] = value
         from .exporters.export import export as run_export
 
-        tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
+        tmpdir = temporary_directory("export")
         out_dir = Path(tmpdir.name) / "model"
         cache = CompileCache(compile_cache_dir, compile_cache_repo, token) if compile_cache else None
         run_export(str(model_id), out_dir, neuron_config, hf_kwargs=kwargs, cache=cache)
@@ -316,7 +316,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                            "only with trust_remote_code=True (the graphs compute the same; only how they are compiled "
                            "changes).", artifact_dir, list(neuron_config.compiler_args))
             neuron_config = dataclasses.replace(neuron_config, compiler_args=())
-        tmpdir = tempfile.TemporaryDirectory(prefix="optimum-neuronx-")
+        tmpdir = temporary_directory("export")
         out_dir = Path(tmpdir.name) / "model"
         run_export(str(artifact_dir), out_dir, neuron_config, cache=cache, from_export=True)
         return cls._from_artifact(out_dir, tmpdir=tmpdir, compiled=True, huge_pages=huge_pages)

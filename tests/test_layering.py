@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "optimum_neuronx"
 # Lowest first; a module may import modules of its own layer or of a lower one. Names are module paths relative to
 # the package; a package name covers everything in it.
 LAYERS = [
-    ("version", "configuration", "digests"),
+    ("version", "configuration", "digests", "tempdirs"),
     ("modeling",),
     ("memory", "huge_pages", "buckets"),
     ("backends",),

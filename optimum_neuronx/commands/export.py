@@ -171,6 +171,11 @@ def run_export(args: argparse.Namespace) -> int:
         if args.task not in ("text-generation", "auto"):
             raise ValueError(f"--task {args.task}: optimum-neuronx exports causal language models only, task "
                              f"text-generation. Use optimum-neuron for other tasks.")
+        model_dir = Path(args.model)
+        if model_dir.is_dir() and (args.output.resolve() == model_dir.resolve()
+                                   or model_dir.resolve().is_relative_to(args.output.resolve())):
+            raise ValueError(f"output directory {args.output} holds the model being exported ({args.model}): writing "
+                             f"the export there would replace the checkpoint. Choose another output directory.")
         if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
             raise FileExistsError(f"output directory {args.output} exists and is not empty; pass --overwrite "
                                   f"to replace its content, or choose another directory")

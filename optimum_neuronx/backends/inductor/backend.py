@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from ...configuration import GraphSpec
+from ...tempdirs import temporary_directory
 from ..base import Backend, CompiledGraph
 from ..workers import compile_workers, map_in_workers
 from . import tuning
@@ -238,7 +239,7 @@ class InductorBackend(Backend):
                                     int8=lowering.int8_kernel),
                    **parse_compiler_args(neuron_config.compiler_args)}
         start = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="optimum-neuronx-aoti-") as build_dir:
+        with temporary_directory("aoti") as build_dir:
             compile_graph = functools.partial(_compile_graph, decoder, example_inputs, options, build_dir)
             workers = compile_workers(len(graphs))
             setup = functools.partial(_forked_worker_setup, torch.get_num_threads())
