@@ -305,8 +305,8 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         from .exporters.export import export as run_export
 
         if problem:
-            logger.info("The compiled graphs of %s cannot run here: %s. Rebuilding them here from its config and "
-                        "weights (once: the compile cache keeps them).", artifact_dir, problem)
+            logger.warning("The compiled graphs of %s cannot run here: %s. Rebuilding them here from its config and "
+                           "weights (once: the compile cache keeps them).", artifact_dir, problem)
         else:
             logger.info("%s was not exported on this machine: its compiled graphs are native code, which is loaded "
                         "only with trust_remote_code=True. Rebuilding the graphs here from its config and weights "

@@ -78,3 +78,17 @@ def test_a_package_renamed_over_after_it_was_hashed_is_never_loaded(recorded_cop
     with pytest.raises(ArtifactError, match=r"model.pt2 does not match its sha256"):
         NeuronModelForCausalLM.from_pretrained(recorded_copy)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_another_thread_count_reuses_the_compiled_graphs(saved_tiny_llama, compiled_model, threads):
+    """A reload under another OMP_NUM_THREADS runs the same graphs: nothing is rebuilt (the fresh process refuses to
+    compile), and the tokens are the same."""
+    from conftest import generate_in_fresh_process
+
+    input_ids, attention_mask = left_padded_prompts([7], seed=5)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    result, tokens = generate_in_fresh_process(saved_tiny_llama, inputs, 6,
+                                               env={**os.environ, "OMP_NUM_THREADS": threads})
+    assert "(no compilation)" in result.stderr and "cannot run here" not in result.stderr
+    assert tokens == compiled_model("llama").generate(**inputs, max_new_tokens=6, do_sample=False).tolist()

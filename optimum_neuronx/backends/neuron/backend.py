@@ -153,7 +153,7 @@ class NeuronBackend(Backend):
         client = default_client()
         portable = not executables_match(manifest, client, artifact_dir)
         if portable:
-            logger.info("%s holds PJRT executables compiled for %r, but this machine runs %r: compiling its StableHLO "
+            logger.warning("%s holds PJRT executables compiled for %r, but this machine runs %r: compiling its StableHLO "
                         "graphs for this platform.", artifact_dir, manifest["executables"]["platform_version"],
                         platform_version(client))
         layout = ShardLayout(**manifest["layout"])
