@@ -164,7 +164,8 @@ def test_estimate_takes_tensor_parallel_size(capsys, tiny_checkpoint):
 
     parser = argparse.ArgumentParser()
     add_estimate_arguments(parser)
-    args = parser.parse_args(["--model", str(tiny_checkpoint("llama")), "--tensor_parallel_size", "2"])
+    args = parser.parse_args(["--model", str(tiny_checkpoint("llama")), "--sequence_length", "64",
+                              "--tensor_parallel_size", "2"])
     assert args.num_cores == 2 and run_estimate(args) == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--tensor_parallel", "2"])  # no abbreviations here either

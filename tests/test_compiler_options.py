@@ -45,6 +45,8 @@ def test_a_foreign_exports_compiler_command_never_runs(foreign_copy, compiled_mo
     ("cpp.ld=evil", "'cpp.ld'"),  # not an option at all
     ("post_grad_custom_post_pass=1", "'post_grad_custom_post_pass' holds a"),
     ("cpp.simdlen=1024", "'cpp.simdlen' takes one of"),
+    ("aot_inductor.compile_wrapper_opt_level=O0 -fplugin=/tmp/evil.so", "'aot_inductor.compile_wrapper_opt_level' "
+                                                                         "takes one of"),
     ("max_autotune=yes", "'max_autotune' takes a bool"),
     ("cpp.threads=true", "'cpp.threads' takes a int"),
     ("trace.enabled=true", "'trace.enabled' is one that does"),

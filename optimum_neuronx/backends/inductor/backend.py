@@ -66,7 +66,8 @@ def cpu_has(feature: str) -> bool:
 # Inductor options whose names say they write files, print, or call hooks: refused whatever their value.
 _REFUSED_OPTION_WORDS = ("debug", "trace", "profile", "dump", "log", "hook", "print", "minifier")
 # Options with no typed default whose values are a known set.
-_ENUM_OPTIONS = {"cpp.simdlen": (0, 128, 256, 512)}
+_ENUM_OPTIONS = {"cpp.simdlen": (0, 128, 256, 512),
+                 "aot_inductor.compile_wrapper_opt_level": ("O0", "O1", "O2", "O3", "Os")}
 
 
 def parse_compiler_args(compiler_args: Sequence[str]) -> dict:
