@@ -151,8 +151,9 @@ def edit_to_one_layer(directory: Path) -> None:
 
 def test_edited_config_with_recomputed_hashes_gets_a_clear_error(foreign_copy):
     edit_to_one_layer(foreign_copy)
-    with pytest.raises(ArtifactError, match=r"neuronx_weights.safetensors holds model.layers.1.\S+, which config.json's model "
-                                            r"does not have"):
+    # refused from the weights file's header, before a model of the edited config is built
+    with pytest.raises(ArtifactError, match=r"config.json gives 1 layers but the weights hold 2: config and weights do "
+                                            r"not belong together"):
         NeuronModelForCausalLM.from_pretrained(foreign_copy)
 
 
