@@ -43,9 +43,10 @@ TINY_CONFIGS = {
     # 6 heads of 16 (no KV grouping in gpt2), an odd MLP width (n_inner), gpt2's own activation name.
     "gpt2": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=None, n_inner=200,
                  activation_function="gelu_new"),
-    # 4 experts, top 2, of an odd width; qwen3_moe without renormalizing the top-2 weights.
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=72),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
+    # 8 experts, top 2, of an odd width: a decode step of the shared batch-3 export (3 rows x 2 < 8) gathers only
+    # its rows' experts, a prompt runs every expert; qwen3_moe without renormalizing the top-2 weights.
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=72),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
                       head_dim=32),
     # Local layers with an 8-token window and their own RoPE, a global one with linear RoPE scaling; query scale
     # not head_dim's; final logits soft-capped.
@@ -59,6 +60,10 @@ TINY_CONFIGS = {
     "smollm3": dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1], tie_word_embeddings=False),
 }
 ARCHITECTURES = tuple(TINY_CONFIGS)
+# One family per distinct kind of block, whose bfloat16 numerics differ (llama: the Llama block, tested on its own):
+# LayerNorm with learned positions (gpt2), Gemma's norms and soft-capping (gemma3_text), mixture of experts (mixtral).
+# The other families are the Llama block with other scalars, RoPE or flags: their fp32 parity covers them.
+BF16_BLOCK_KINDS = ("gpt2", "gemma3_text", "mixtral")
 
 # Compiled shapes shared by the parity tests: a batch of 3, one context bucket, two token buckets
 # so that a 40+ token generation crosses the 32 -> 64 boundary.
@@ -194,6 +199,7 @@ def generate_in_fresh_process(model_ref, inputs, max_new_tokens, env=None, check
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: real-model (SmolLM2) tests; run in CI too")
+    config.addinivalue_line("markers", "pjrt: starts a PJRT client (jaxlib) in the test process; runs after the rest")
     logging.getLogger("optimum_neuronx").setLevel(logging.INFO)
 
 
@@ -255,6 +261,18 @@ def tune(patch, **values):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that start a PJRT client (jaxlib) run last: a process with its threads compiles without forked workers
-    (backends/workers.py), which would slow every export after them."""
-    items.sort(key=lambda item: "test_neuron_" in item.nodeid)
+    """Tests marked `pjrt` (they start a PJRT client, jaxlib) run last: a process with its threads compiles without
+    forked workers (backends/workers.py), which would slow every export after them."""
+    items.sort(key=lambda item: item.get_closest_marker("pjrt") is not None)
+
+
+@pytest.fixture(autouse=True)
+def pjrt_clients_are_marked(request):
+    """A test that starts the process's first PJRT client must carry the `pjrt` marker (the ordering reads it)."""
+    from optimum_neuronx.backends.workers import pjrt_started
+
+    before = pjrt_started()
+    yield
+    if not before and pjrt_started() and request.node.get_closest_marker("pjrt") is None:
+        pytest.fail(f"{request.node.nodeid} started a PJRT client but is not marked @pytest.mark.pjrt: every export "
+                    f"after it compiles one graph at a time. Mark it.", pytrace=False)

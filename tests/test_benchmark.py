@@ -71,10 +71,13 @@ def test_time_to_first_token_is_timed_at_the_smallest_batch_on_every_prompt(benc
     assert bench.timed_prompts([512, 128], 4, [4, 1]) == [128]
 
 
-def test_longer_prompts_time_to_first_token_comes_after_the_decode_repeats(bench):
+def test_longer_prompts_time_to_first_token_comes_after_the_decode_repeats(bench, monkeypatch):
     """Transformers reuses a static cache that fits the next generation: a long prompt timed before the decode
-    repeats would change the cache (and the compiled graph) they run with."""
+    repeats would change the cache (and the compiled graph) they run with. Timed on a clock the stand-in advances
+    (no real sleeps: exact under any load)."""
     calls = []
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
 
     class Recorder:  # streams like generate: the prompt, then each new token
         def generate(self, input_ids, attention_mask, max_new_tokens, streamer, **kwargs):
@@ -82,10 +85,10 @@ def test_longer_prompts_time_to_first_token_comes_after_the_decode_repeats(bench
             streamer.put(input_ids)
             # a prefill slower in the decode runs than in the time-to-first-token runs, as when the host's
             # phase changes between them
-            time.sleep(0.001 if max_new_tokens == 1 else 0.05)
+            clock[0] += 0.001 if max_new_tokens == 1 else 0.05
             for _ in range(max_new_tokens):
                 streamer.put(torch.zeros(input_ids.shape[0], dtype=torch.long))
-                time.sleep(0.002)
+                clock[0] += 0.002
             streamer.end()
             return torch.zeros(input_ids.shape[0], input_ids.shape[1] + max_new_tokens, dtype=torch.long)
 
@@ -96,12 +99,13 @@ def test_longer_prompts_time_to_first_token_comes_after_the_decode_repeats(bench
     assert calls == warm_up + short_ttft + decode + long_ttft
     assert set(result["ttft_s"]) == {8, 16} and result["decode_tok_s"] > 0
     # each repeat's own rate: the 3 tokens after the first over the time from its first token to its last, in that
-    # same run (~6 ms of sleeps), not the run's time beyond a time to first token taken in other runs (~56 ms here);
+    # same run (3 steps of 2 ms), not the run's time beyond a time to first token taken in other runs (~56 ms here);
     # the row's from the median of those times
     decode_seconds = [timed["decode_seconds"] for timed in result["decode_repeats"]]
     for timed in result["decode_repeats"]:
         assert timed["decode_tok_s"] == pytest.approx(3 / timed["decode_seconds"])
-        assert 0.004 < timed["decode_seconds"] < 0.03 < timed["seconds"] - result["ttft_s"][8]
+        assert timed["decode_seconds"] == pytest.approx(0.006)
+        assert timed["seconds"] - result["ttft_s"][8] == pytest.approx(0.05 + 0.008 - 0.003)
     assert result["decode_tok_s"] == pytest.approx(3 / statistics.median(decode_seconds))
 
 

@@ -17,6 +17,8 @@ pytest.importorskip("jax", reason="the [neuron] extra (jax, jaxlib) is not insta
 from optimum_neuronx.backends.neuron.pjrt import PjrtGraph, to_torch  # noqa: E402
 from optimum_neuronx.backends.neuron.stablehlo import NeuronKernels, lower_graph  # noqa: E402
 
+pytestmark = pytest.mark.pjrt  # every test here may start the PJRT client
+
 SEQUENCE, PROMPT, BATCH = 16, 8, 2
 
 

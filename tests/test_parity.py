@@ -8,8 +8,8 @@ import weakref
 import pytest
 import torch
 
-from conftest import (ARCHITECTURES, SLIDING_WINDOW_CONFIGS, TINY_EXPORT, assert_bf16_logits_within_tolerance,
-                      build_tiny_checkpoint, left_padded_prompts, tiny_export, tune)
+from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, SLIDING_WINDOW_CONFIGS, TINY_EXPORT,
+                      assert_bf16_logits_within_tolerance, build_tiny_checkpoint, left_padded_prompts, tiny_export, tune)
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
 
@@ -103,8 +103,8 @@ def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, reference_
     assert_bf16_logits_within_tolerance(bf16_llama, tiny_checkpoint, reference_model, input_ids, attention_mask)
 
 
-@pytest.mark.parametrize("model_type", [a for a in ARCHITECTURES if a != "llama"])
-def test_bf16_logits_of_every_family_within_tolerance(model_type, tiny_checkpoint, reference_model, left_padded_batch):
+@pytest.mark.parametrize("model_type", BF16_BLOCK_KINDS)
+def test_bf16_logits_of_every_block_kind_within_tolerance(model_type, tiny_checkpoint, reference_model, left_padded_batch):
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, batch_size=2,
                                                    sequence_length=32, context_buckets=[16], token_buckets=[32],
                                                    auto_cast_type="bf16")
@@ -457,18 +457,6 @@ def test_sliding_windows_shorter_than_the_sequence_match_eager(case, tmp_path, l
         with pytest.raises(ValueError, match=r"cannot roll the cache back from \d+ to \d+ tokens: .* only the last "
                                              r"12 \(its sliding window\)"):
             handle.crop(-2)
-
-
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
-def test_one_sequence_runs_its_chosen_experts_only_and_matches_eager(model_type, tiny_checkpoint, reference_model):
-    # batch 1, top 2 of 4 experts: a decode step gathers its 2 experts' weights (a prompt still runs all 4)
-    compiled = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True,
-                                                      **tiny_export(model_type, batch_size=1))
-    input_ids, attention_mask = left_padded_prompts([14], seed=4)
-    result = compare_generation(reference_model(model_type), compiled, input_ids, attention_mask, max_new_tokens=30,
-                                min_new_tokens=30)
-    print(f"{model_type} batch 1: {result.summary()}")
-    assert result.max_logit_diff < LOGIT_TOLERANCE and result.tokens_match, result
 
 
 def test_dropping_a_model_frees_its_weights(saved_tiny_llama):

@@ -51,9 +51,14 @@ def test_save_and_reload_in_fresh_process(smollm2_tokenizer, smollm2_compiled, t
     assert tokens == expected.tolist()
 
 
-def test_weights_stream_from_whole_cache_lines(smollm2_compiled):
+def test_weights_stream_from_whole_cache_lines(smollm2_compiled, tmp_path):
     # Every SmolLM2 weight is a whole number of 64-byte lines, so every one, mapped from the file, starts on a line
-    # (weights_io.save_weights): the dot kernel's loads then never span two lines.
-    mapped = {name: t for name, t in smollm2_compiled._weights.items() if not t.is_mkldnn}  # packed: not from the file
+    # (weights_io.save_weights): the dot kernel's loads then never span two lines. Loaded memory-mapped, so that the
+    # addresses are the file's offsets (huge pages would align each tensor by themselves, hiding a regression).
+    from optimum_neuronx import NeuronModelForCausalLM
+
+    smollm2_compiled.save_pretrained(tmp_path / "saved")
+    model = NeuronModelForCausalLM.from_pretrained(tmp_path / "saved", huge_pages=False)
+    mapped = {name: t for name, t in model._weights.items() if not t.is_mkldnn}  # packed: not from the file
     misaligned = {name: t.data_ptr() % 64 for name, t in mapped.items() if t.data_ptr() % 64}
     assert mapped and not misaligned
