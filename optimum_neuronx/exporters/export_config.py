@@ -24,6 +24,16 @@ Flag = Union[bool, str]
 
 # The largest size a config field may give (layers, heads, widths, vocabulary): far past any real model's.
 MAX_CONFIG_SIZE = 1 << 24
+# The config fields that size the decoder (the last three optional), checked as positive integers.
+CONFIG_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "head_dim", "intermediate_size")
+
+
+def is_config_size(value) -> bool:
+    """A size a config field may give: an int (not a bool) from 1 to MAX_CONFIG_SIZE."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_CONFIG_SIZE
+
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -94,12 +104,9 @@ class ExportConfig:
 
     def check_supported(self, config, neuron_config: NeuronConfig) -> None:
         """Refuse, at export, every config feature the static decoder does not implement."""
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "intermediate_size"):
+        for name in CONFIG_SIZE_FIELDS:
             value = self.config_value(config, name) if name == "intermediate_size" else getattr(config, name, None)
-            optional = name in ("num_key_value_heads", "head_dim", "intermediate_size")
-            if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool) and
-                                                0 < value <= MAX_CONFIG_SIZE):
+            if (value is None and name in CONFIG_SIZE_FIELDS[-3:]) or is_config_size(value):
                 continue
             raise ValueError(f"{self.model_type}: config.{name} = {value!r} must be a positive integer (at most "
                              f"{MAX_CONFIG_SIZE}); the config is damaged or not this model's.")

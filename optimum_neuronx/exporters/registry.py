@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from .export_config import ExportConfig
+from .export_config import CONFIG_SIZE_FIELDS, ExportConfig, is_config_size
 
 _EXPORT_CONFIG_MODULES = {
     "gemma3_text": "gemma3",
@@ -48,10 +48,9 @@ def _damaged_field(model_id) -> str:
         fields = json.loads((Path(model_id) / "config.json").read_text())
     except (OSError, ValueError, RecursionError):
         return ""
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "intermediate_size", "n_head", "n_layer", "n_embd"):
+    for name in (*CONFIG_SIZE_FIELDS, "n_head", "n_layer", "n_embd"):  # gpt2's own names too
         value = fields.get(name) if isinstance(fields, dict) else None
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        if value is not None and not is_config_size(value):
             return f"config.{name} = {value!r} must be a positive integer; "
     return ""
 
