@@ -30,8 +30,11 @@ TINY_CONFIGS = {
                   rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 32}),
-    "mistral": dict(sliding_window=4096),
-    "qwen2": dict(tie_word_embeddings=True),
+    # Sliding windows shorter than the sequence: on every layer (mistral: the cache is a ring of the window's 12
+    # slots), on some layers only (qwen2: layer 1; every slot kept for all layers). The parity tests' prompts of
+    # 5..14 tokens and 45 new ones: the window cuts into the prompts, then slides across the 32 -> 64 token bucket.
+    "mistral": dict(sliding_window=12),
+    "qwen2": dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=12, max_window_layers=1),
     "qwen3": dict(head_dim=32),
     # Every scalar away from 1 (the attention scale too: not head_dim ** -0.5), so that a missing one shows.
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.09, logits_scaling=2.5),
@@ -140,11 +143,23 @@ def smollm2_compiled(smollm2_checkpoint):
         token_buckets=[128])
 
 
-# Sliding windows shorter than the sequence: on every layer (mistral), on some layers only (qwen2: layer 1).
-SLIDING_WINDOW_CONFIGS = {
-    "mistral-every-layer": ("mistral", dict(sliding_window=12)),
-    "qwen2-layer-1": ("qwen2", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
-}
+def seed_compile_cache(cache_dir, checkpoint, model):
+    """A compile cache at `cache_dir` holding one entry: the graphs of `model` (a session export of `checkpoint`),
+    stored as an export stores them, so that cache tests start from a filled cache without compiling."""
+    import json
+
+    from optimum_neuronx.cache import CompileCache
+    from optimum_neuronx.exporters.export import prepare
+
+    meta = json.loads((model.artifact_dir / "neuron_config.json").read_text())
+    key = prepare(str(checkpoint), model.neuron_config, load_weights=False).cache_key()
+    graph_files = tuple(name for name in meta["files"] if name != "neuronx_weights.safetensors")
+    CompileCache(cache_dir).store(key, model.artifact_dir, graph_files, meta["compile_time_s"])
+    return cache_dir
+
+
+# The families whose tiny configs slide a window shorter than the sequence (TINY_CONFIGS).
+SLIDING_WINDOW_FAMILIES = ("mistral", "qwen2")
 
 
 def left_padded_prompts(lengths, seed: int):
@@ -198,7 +213,8 @@ def generate_in_fresh_process(model_ref, inputs, max_new_tokens, env=None, check
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: real-model (SmolLM2) tests; run in CI too")
+    config.addinivalue_line("markers", "slow: compiles more than the inner loop's two shared exports (the tiny Llama on "
+                                       "each backend), or runs the real SmolLM2; CI runs every test")
     config.addinivalue_line("markers", "pjrt: starts a PJRT client (jaxlib) in the test process; runs after the rest")
     logging.getLogger("optimum_neuronx").setLevel(logging.INFO)
 
@@ -260,9 +276,20 @@ def tune(patch, **values):
     patch.setitem(tuning.PROFILES, name, {**tuning.PROFILES.get(name, {}), **values})
 
 
+# Fixtures that compile graphs or kernel packages of their own (or start the Hub server and its subprocesses): the
+# tests that use them are `slow`, out of the inner loop.
+SLOW_FIXTURES = {"smollm2_compiled", "smollm2_bf16_pair", "speculative", "sampling_model", "int8_llama",
+                 "kernel_package", "attention_package", "int8_kernel_package", "tiled_package", "tiled_llama",
+                 "filled_cache", "cli_export", "hub", "bf16_llama"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `pjrt` (they start a PJRT client, jaxlib) run last: a process with its threads compiles without
-    forked workers (backends/workers.py), which would slow every export after them."""
+    """Tests that use a compiling fixture are marked `slow`. Tests marked `pjrt` (they start a PJRT client, jaxlib) run
+    last: a process with its threads compiles without forked workers (backends/workers.py), which would slow every
+    export after them."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("pjrt") is not None)
 
 

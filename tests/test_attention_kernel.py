@@ -5,6 +5,8 @@ import zipfile
 import pytest
 import torch
 
+import kernel_packages
+
 from optimum_neuronx.backends import get_backend
 from optimum_neuronx.backends.inductor.backend import X86_FEATURE_PROBES, cpu_has
 from optimum_neuronx.modeling.decoder import _additive
@@ -93,27 +95,25 @@ def _runs_here(isa):
     return all(cpu_has(feature) for feature in ISA_NEEDS[isa]) and BACKEND.has_dot_kernel(torch.float32)
 
 
+kernel_packages.register("decode_attention", lambda isa, dtype: _runs_here(isa),
+                         lambda dtype: (_Attention(), (_cases(dtype),)))
+
+
 @pytest.fixture(scope="module", params=[(isa, dtype) for isa in ISA_NEEDS for dtype in DTYPES],
                 ids=[f"{isa}-{name}" for isa in ISA_NEEDS for name in ("bf16", "fp32")])
 def attention_package(request, tmp_path_factory):
-    from torch._inductor.package import load_package, package_aoti
-
-    from optimum_neuronx.backends.inductor.custom_kernels import c_shim_options
-
+    """This variant's graph, in the package shared with the other kernels' tests (kernel_packages.py)."""
     isa, dtype = request.param
     if not _runs_here(isa):
         pytest.skip(f"decode_attention's {isa} kernel needs {' and '.join(ISA_NEEDS[isa])} and GCC or Clang")
-    module, args = _Attention().eval(), (_cases(dtype),)
-    program = torch.export.export(module, args, strict=False)
-    files = torch._inductor.aot_compile(program.module(), args, options={
-        "aot_inductor.package": True, **c_shim_options(0, isa, attention=True)})
-    path = package_aoti(str(tmp_path_factory.mktemp("attention") / "attention.pt2"), files)
-    return path, load_package(path), module, args, isa
+    part = kernel_packages.kernel_part("decode_attention", isa, dtype, lambda: tmp_path_factory.mktemp("kernels"))
+    return part, isa
 
 
 def test_kernel_matches_float64_attention(attention_package):
-    _, compiled, module, args, isa = attention_package
-    outs = compiled(*args)
+    part, isa = attention_package
+    module, args = part.module, part.args
+    outs = part.run()
     assert len(outs) == len(CASES)
     for out, case, eager in zip(outs, args[0], module(*args)):
         rounds_query = _rounds_query(isa, case)
@@ -128,8 +128,7 @@ def test_kernel_matches_float64_attention(attention_package):
 
 
 def test_graph_calls_the_kernel_directly(attention_package):
-    path = attention_package[0]
-    with zipfile.ZipFile(path) as package:
+    with zipfile.ZipFile(attention_package[0].path) as package:
         wrapper = next(package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp"))
     assert wrapper.count("aoti_torch_cpu_decode_attention(") == len(CASES) + 2  # definition, declaration, calls
     assert "proxy_executor_call_function" not in wrapper and "call_dispatcher" not in wrapper

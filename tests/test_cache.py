@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import seed_compile_cache, tiny_export
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.cache import CompileCache
 from optimum_neuronx.backends.workers import COMPILE_WORKERS_ENV
@@ -26,9 +27,10 @@ def _export(checkpoint, cache_dir, **overrides):
 
 
 @pytest.fixture(scope="module")
-def filled_cache(tiny_checkpoint, tmp_path_factory):
-    cache_dir = tmp_path_factory.mktemp("cache")
-    model = _export(tiny_checkpoint("qwen2"), cache_dir)
+def filled_cache(tiny_checkpoint, compiled_model, tmp_path_factory):
+    """A cache holding the session's qwen2 export (TINY_EXPORT's shapes), and that export's tokens for PROMPT."""
+    model = compiled_model("qwen2")
+    cache_dir = seed_compile_cache(tmp_path_factory.mktemp("cache"), tiny_checkpoint("qwen2"), model)
     return cache_dir, model.generate(PROMPT, max_new_tokens=20, do_sample=False)
 
 
@@ -40,7 +42,7 @@ def test_second_export_is_a_cache_hit_and_compiles_nothing(filled_cache, tiny_ch
 
     monkeypatch.setattr(export_module.get_backend("inductor"), "compile", refuse)
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
-        model = _export(tiny_checkpoint("qwen2"), cache_dir)
+        model = _export(tiny_checkpoint("qwen2"), cache_dir, **tiny_export("qwen2"))
     assert "Compile cache hit" in caplog.text and "nothing to compile" in caplog.text
     assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False), tokens)
 
@@ -64,7 +66,7 @@ def test_a_fine_tune_reuses_the_base_models_graphs(filled_cache, tiny_checkpoint
 
     monkeypatch.setattr(export_module.get_backend("inductor"), "compile", refuse)
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
-        model = _export(tmp_path / "fine-tune", cache_dir)
+        model = _export(tmp_path / "fine-tune", cache_dir, **tiny_export("qwen2"))
     assert "Compile cache hit" in caplog.text
     assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False), expected)
     for entry, _ in CompileCache(cache_dir).entries():  # graphs only: no weights in the cache
@@ -73,36 +75,37 @@ def test_a_fine_tune_reuses_the_base_models_graphs(filled_cache, tiny_checkpoint
 
 def test_miss_says_which_field_differs(filled_cache, tiny_checkpoint):
     cache_dir, _ = filled_cache
-    prepared = export_module.prepare(str(tiny_checkpoint("qwen2")), NeuronConfig(**{**SMALL, "sequence_length": 48,
-                                                                                     "token_buckets": [48]}))
+    prepared = export_module.prepare(str(tiny_checkpoint("qwen2")), NeuronConfig(**tiny_export(
+        "qwen2", sequence_length=48, token_buckets=[32, 48])))
     cache = CompileCache(cache_dir)
     key = prepared.cache_key()
     assert cache.lookup(key) is None
     reason = cache.miss_reason(key)
-    assert "neuron_config.sequence_length: cached 32, requested 48" in reason
-    assert "neuron_config.token_buckets: cached [32], requested [48]" in reason
+    assert "neuron_config.sequence_length: cached 64, requested 48" in reason
+    assert "neuron_config.token_buckets: cached [32, 64], requested [32, 48]" in reason
     assert CompileCache(cache_dir.parent / "empty").miss_reason(key) == "the cache is empty"
 
 
-def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, tmp_path, caplog, monkeypatch):
-    model = _export(tiny_checkpoint("qwen2"), tmp_path, auto_cast_type="bf16")
+@pytest.mark.slow
+def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, compiled_model, tmp_path, caplog, monkeypatch):
+    # The session's qwen2 export (compiled in forked workers on a machine with 2+ cores), stored in a cache of its own
+    model = compiled_model("qwen2")
+    seed_compile_cache(tmp_path, tiny_checkpoint("qwen2"), model)
     (entry, _), = CompileCache(tmp_path).entries()
     graph = entry / "model.pt2"
     data = bytearray(graph.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, different content: only the hash can tell
-    graph.unlink()  # break the hard link the first export's directory shares
     graph.write_bytes(bytes(data))
-    # The first export compiled its two graphs in forked workers (on a machine with 2+ cores); this one compiles
-    # them one after the other in this process: both must generate the same C++.
+    # This export compiles the graphs one after the other in this process: both must generate the same C++.
     monkeypatch.setenv(COMPILE_WORKERS_ENV, "1")
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
-        again = _export(tiny_checkpoint("qwen2"), tmp_path, auto_cast_type="bf16")
+        again = _export(tiny_checkpoint("qwen2"), tmp_path, **tiny_export("qwen2"))
     assert "is corrupted (model.pt2 does not match its sha256): evicted, recompiling" in caplog.text
     assert "Compile cache miss" in caplog.text and "Stored the compiled graphs in the compile cache" in caplog.text
     expected = model.generate(PROMPT, max_new_tokens=10, do_sample=False)
     assert torch.equal(again.generate(PROMPT, max_new_tokens=10, do_sample=False), expected)
     sources = _cpp_sources(model.artifact_dir / "model.pt2")
-    assert len(sources) == 4 and sources == _cpp_sources(again.artifact_dir / "model.pt2")
+    assert len(sources) == 6 and sources == _cpp_sources(again.artifact_dir / "model.pt2")  # 3 graphs x 2 sources
 
 
 def _cpp_sources(package: Path) -> dict:
@@ -123,6 +126,7 @@ m.save_pretrained(sys.argv[3])
 """
 
 
+@pytest.mark.slow
 def test_concurrent_exports_of_one_key_compile_once(tiny_checkpoint, tmp_path):
     cache_dir = tmp_path / "cache"
     procs = [subprocess.Popen([sys.executable, "-c", EXPORT_SCRIPT, str(tiny_checkpoint("mistral")), str(cache_dir),
@@ -143,16 +147,17 @@ def test_cache_cli_list_lookup_clear(filled_cache, tiny_checkpoint):
         [OPTIMUM_CLI, "neuron", "cache", *args, "--compile_cache_dir", str(cache_dir)], capture_output=True, text=True,
         timeout=300)
     listed = run("list")
-    assert listed.returncode == 0 and "qwen2  batch_size=1 sequence_length=32 fp32 inductor tp=1" in listed.stdout
+    assert listed.returncode == 0 and "qwen2  batch_size=3 sequence_length=64 fp32 inductor tp=1" in listed.stdout
     # lookup reads the config only: a directory holding nothing else answers the same
     config_only = cache_dir.parent / "config-only"
     config_only.mkdir(exist_ok=True)
     (config_only / "config.json").write_bytes((tiny_checkpoint("qwen2") / "config.json").read_bytes())
-    options = [str(config_only), "--sequence_length", "32", "--context_buckets", "16", "--token_buckets", "32"]
+    options = [str(config_only), "--batch_size", "3", "--sequence_length", "64", "--context_buckets", "16",
+               "--token_buckets", "32,64"]
     hit = run("lookup", *options)
     assert hit.returncode == 0, hit.stderr
     assert "1 cached exports of this model" in hit.stdout and "cache hit " in hit.stdout
-    miss = run("lookup", *options[:-1], "16,32")
-    assert miss.returncode == 1 and "token_buckets: cached [32], requested [16, 32]" in miss.stdout
+    miss = run("lookup", *options[:-1], "16,32,64")
+    assert miss.returncode == 1 and "token_buckets: cached [32, 64], requested [16, 32, 64]" in miss.stdout
     assert run("clear").stdout.startswith("removed ")
     assert "0 entries" in run("list").stdout

@@ -40,11 +40,15 @@ def test_cache_folders_and_files_are_private(compiled_model, isolated_compile_ca
     assert _mode(provenance_dir()) == 0o700
 
 
-def test_a_planted_entry_is_ignored_and_recompiled(tiny_checkpoint, tmp_path, caplog):
+def test_a_planted_entry_is_ignored_and_recompiled(tiny_checkpoint, compiled_model, tmp_path, caplog, monkeypatch):
     """Someone who can write the cache folder plants an entry for the very key the next export asks for, with a
-    matching cache_entry.json: its graphs are not used (an INFO line names it), the export compiles its own."""
-    checkpoint = str(tiny_checkpoint("qwen2"))
-    key = prepare(checkpoint, NeuronConfig(**SMALL), load_weights=False).cache_key()
+    matching cache_entry.json: its graphs are not used (an INFO line names it), the export compiles its own (here it
+    is stopped there), and what it stores replaces the planted entry."""
+    from conftest import seed_compile_cache, tiny_export
+    from optimum_neuronx.exporters import export as export_module
+
+    checkpoint, options = str(tiny_checkpoint("qwen2")), tiny_export("qwen2")
+    key = prepare(checkpoint, NeuronConfig(**options), load_weights=False).cache_key()
     cache = CompileCache(tmp_path / "shared-cache")
     planted = cache.entry_dir(key)
     planted.mkdir(parents=True)
@@ -53,11 +57,17 @@ def test_a_planted_entry_is_ignored_and_recompiled(tiny_checkpoint, tmp_path, ca
             "sha256": {"model.pt2": file_sha256(planted / "model.pt2")}, "compile_time_s": {}}
     (planted / ENTRY_META).write_text(json.dumps(meta))
     assert cache.lookup(key, trusted=True) == planted  # what trust_remote_code would take: the test can fail
-    with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
-        model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, compile_cache_dir=cache.root, **SMALL)
+
+    def compiles_its_own(*args, **kwargs):
+        raise RuntimeError("compiling its own graphs")
+
+    monkeypatch.setattr(export_module.get_backend("inductor"), "compile", compiles_its_own)
+    with caplog.at_level(logging.INFO, logger="optimum_neuronx"), pytest.raises(RuntimeError, match="its own graphs"):
+        NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, compile_cache_dir=cache.root, **options)
     assert f"Compile cache entry {planted} was not stored by this user" in caplog.text
     assert "Compile cache miss" in caplog.text
-    assert model.generate(PROMPT, max_new_tokens=4, do_sample=False).shape == (1, 8)
+    # the graphs it compiles are stored as an export stores them (the session's own qwen2 export here)
+    seed_compile_cache(cache.root, checkpoint, compiled_model("qwen2"))
     assert cache.lookup(key) == planted and (planted / "model.pt2").stat().st_size > 22  # replaced by ours
 
 

@@ -18,12 +18,15 @@ def run(*args, timeout=600):
 
 
 def export_args(model, output, *extra):
-    return [OPTIMUM_CLI, "export", "neuron", "--model", str(model), "--batch_size", "2", "--sequence_length", "32",
-            "--context_buckets", "16", "--token_buckets", "16,32", *extra, str(output)]
+    return [OPTIMUM_CLI, "export", "neuron", "--model", str(model), "--batch_size", "3", "--sequence_length", "64",
+            "--context_buckets", "16", "--token_buckets", "32,64", *extra, str(output)]
 
 
 @pytest.fixture(scope="module")
-def cli_export(tiny_checkpoint, tmp_path_factory):
+def cli_export(tiny_checkpoint, compiled_model, tmp_path_factory):
+    # The parity tests' shapes, compiled in this session first: the CLI's export is a hit in the session's compile
+    # cache.
+    compiled_model("qwen3")
     output = tmp_path_factory.mktemp("cli") / "tiny-qwen3"
     return output, run(*export_args(tiny_checkpoint("qwen3"), output))
 
@@ -33,16 +36,17 @@ def test_export_prints_plan_and_times_then_verify_passes(cli_export):
     assert result.returncode == 0, result.stderr[-2000:]
     log = result.stdout + result.stderr
     assert "Memory estimate: weights" in log
-    assert "Buckets: context [16], token generation [16, 32] (3 graphs" in log
-    assert re.search(r"compiled token_32 in \d+\.\d s", result.stdout)
+    assert "Buckets: context [16], token generation [32, 64] (3 graphs" in log
+    assert "Compile cache hit" in log
+    assert re.search(r"compiled token_32 in \d+\.\d s", result.stdout)  # the times it took when compiled
     assert f"to {output}" in result.stdout
     model = NeuronModelForCausalLM.from_pretrained(output)
-    assert model.neuron_config.batch_size == 2 and model.neuron_config.token_buckets == (16, 32)
+    assert model.neuron_config.batch_size == 3 and model.neuron_config.token_buckets == (32, 64)
 
     verify = run(OPTIMUM_CLI, "neuron", "verify", str(output))
     assert verify.returncode == 0, verify.stdout + verify.stderr[-2000:]
-    assert "prompts: 2 of lengths [8, 4], 24 new tokens" in verify.stdout
-    assert "greedy tokens match over 24 new tokens" in verify.stdout
+    assert "prompts: 3 of lengths [16, 8, 4], 48 new tokens" in verify.stdout
+    assert "greedy tokens match over 48 new tokens" in verify.stdout
 
 
 def test_python_module_entry_point_and_help_matches_docs():

@@ -8,6 +8,8 @@ import zipfile
 import pytest
 import torch
 
+import kernel_packages
+
 from optimum_neuronx.backends import get_backend
 from optimum_neuronx.backends.inductor.backend import X86_FEATURE_PROBES, cpu_has
 from optimum_neuronx.backends.inductor.lowering import Lowering
@@ -64,23 +66,26 @@ CHUNK_BYTES = 1
 VARIANTS = [(isa, dtype, pieces) for pieces in (-1, PIECES) for isa in DOT_ISA for dtype in DOT_ISA[isa]]
 
 
+def _make(dtype):
+    return _Projections(dtype), _inputs(dtype)
+
+
+kernel_packages.register("rows_matvec", lambda isa, dtype: dtype in DOT_ISA[isa] and _runs_here(isa, dtype), _make)
+
+
 @pytest.fixture(scope="module", params=VARIANTS, ids=[
     f"{isa}-{'bf16' if dtype == torch.bfloat16 else 'fp32'}{'-pieces-blocks' if pieces > 0 else ''}"
     for isa, dtype, pieces in VARIANTS])
 def kernel_package(request, tmp_path_factory):
-    from torch._inductor.package import package_aoti
-
-    from optimum_neuronx.backends.inductor import custom_kernels as inductor_kernels
-
+    """This variant's graph: in the package shared with the other kernels' tests (kernel_packages.py), or, with
+    pieces of x and chunks of one block of weight rows (options of the kernel's own), in a package of its own."""
     isa, dtype, pieces = request.param
     if not _runs_here(isa, dtype):
         pytest.skip(f"rows_matvec's {isa} {dtype} kernel needs {' and '.join(DOT_ISA[isa][dtype])} and GCC or Clang")
-    module, args = _Projections(dtype).eval(), _inputs(dtype)
-    program = torch.export.export(module, args, strict=False)
-    small = pieces > 0  # pieces of x and chunks of one block of weight rows
-    options = inductor_kernels.c_shim_options(4, isa, piece_bytes=pieces, chunk_bytes=CHUNK_BYTES if small else 0)
-    files = torch._inductor.aot_compile(program.module(), args, options={"aot_inductor.package": True, **options})
-    return package_aoti(str(tmp_path_factory.mktemp("kernel") / "kernel.pt2"), files), module, args
+    if pieces < 0:
+        return kernel_packages.kernel_part("rows_matvec", isa, dtype, lambda: tmp_path_factory.mktemp("kernels"))
+    return kernel_packages.standalone_part("rows_matvec", isa, dtype, tmp_path_factory.mktemp("pieces"),
+                                           piece_bytes=pieces, chunk_bytes=CHUNK_BYTES)
 
 
 def _expected(module, args):
@@ -98,10 +103,8 @@ def _assert_close(out, expected):
 
 
 def test_kernel_matches_sums_rounded_once(kernel_package):
-    from torch._inductor.package import load_package
-
-    path, module, args = kernel_package
-    outs = load_package(path)(*args)
+    module, args = kernel_package.module, kernel_package.args
+    outs = kernel_package.run()
     assert len(outs) == len(SHAPES) + 1
     for out, expected, eager in zip(outs, _expected(module, args), module(*args)):
         assert out.dtype == expected.dtype and out.shape == expected.shape
@@ -113,13 +116,11 @@ def test_kernel_matches_sums_rounded_once(kernel_package):
 def test_kernel_matches_at_other_thread_counts(kernel_package, threads):
     # The rows are split into one share per thread (omp_get_max_threads, which torch.set_num_threads sets): one
     # thread takes every chunk; three (more than the cores of a 2-core host) take turns and steal from each other.
-    from torch._inductor.package import load_package
-
-    path, module, args = kernel_package
+    module, args = kernel_package.module, kernel_package.args
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        outs = load_package(path)(*args)
+        outs = kernel_package.run()
     finally:
         torch.set_num_threads(before)
     for out, expected in zip(outs, _expected(module, args)):
@@ -130,56 +131,53 @@ def test_kernel_rounds_each_sum_once_to_nearest_even(kernel_package):
     # Rows of x with two ones: each sum is one addition of two weights, exact in float32 in any order, so the output
     # must be that float32 sum rounded once (bfloat16: to nearest, ties to even), bit for bit, in every path (sums
     # stored one at a time, 4 x 4 blocks, pieces).
-    from torch._inductor.package import load_package
-
-    path, module, (xs, transposed) = kernel_package
+    module, (xs, transposed) = kernel_package.module, kernel_package.args
     generator = torch.Generator().manual_seed(2)
     hot = []
     for x in xs:
         rows, k = x.shape
         picks = torch.stack([torch.randperm(k, generator=generator)[:2] for _ in range(rows)])
         hot.append(torch.zeros(rows, k, dtype=x.dtype).scatter_(1, picks, 1.0))
-    outs = load_package(path)(hot, transposed)
+    outs = kernel_package.run((hot, transposed))
     for out, x, weight in zip(outs, hot, module.weights):
         picks = x.nonzero()[:, 1].view(x.shape[0], 2)
         expected = (weight.float()[:, picks[:, 0]] + weight.float()[:, picks[:, 1]]).t().to(x.dtype)
         assert torch.equal(out, expected)
 
 
-def _run_in_a_fresh_process(path, args, tmp_path, env=None):
-    """The package's outputs for `args`, run by a process that never imports optimum_neuronx."""
-    xs, transposed = args
-    torch.save([*xs, transposed], tmp_path / "inputs.pt")
+def _run_in_a_fresh_process(part, tmp_path, env=None):
+    """The part's outputs for its example inputs, run by a process that never imports optimum_neuronx."""
+    torch.save(part.flat_inputs(), tmp_path / "inputs.pt")
     script = (
         "import sys, torch\n"
         "loader = torch._C._aoti.AOTIModelPackageLoader(sys.argv[1], 'model', False, 1, -1)\n"
         "torch.save(loader.boxed_run(torch.load(sys.argv[2])), sys.argv[3])\n"
         "assert not any(name.startswith('optimum_neuronx') for name in sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", script, path, str(tmp_path / "inputs.pt"),
+    result = subprocess.run([sys.executable, "-c", script, part.path, str(tmp_path / "inputs.pt"),
                              str(tmp_path / "outputs.pt")], capture_output=True, text=True, timeout=120,
                             env=None if env is None else dict(os.environ, **env))
     assert result.returncode == 0, result.stderr[-3000:]
-    return torch.load(tmp_path / "outputs.pt")
+    return part.outputs_from_flat(torch.load(tmp_path / "outputs.pt"))
 
 
 def test_graph_carries_the_kernel_and_runs_without_our_package(kernel_package, tmp_path):
     # The wrapper calls the kernel as a C function compiled into it, not through the dispatcher: a process that
     # never imported optimum_neuronx (so the op is not registered) runs the graph.
-    path, module, args = kernel_package
-    with zipfile.ZipFile(path) as package:
+    module, args = kernel_package.module, kernel_package.args
+    with zipfile.ZipFile(kernel_package.path) as package:
         wrapper = next(package.read(name).decode() for name in package.namelist() if name.endswith("wrapper.cpp"))
     assert wrapper.count("aoti_torch_cpu_rows_matvec(") == len(SHAPES) + 2  # definition + one call per use
     assert "proxy_executor_call_function" not in wrapper and "call_dispatcher" not in wrapper
-    for out, expected in zip(_run_in_a_fresh_process(path, args, tmp_path), _expected(module, args)):
+    for out, expected in zip(_run_in_a_fresh_process(kernel_package, tmp_path), _expected(module, args)):
         _assert_close(out, expected)
 
 
 def test_kernel_does_every_share_in_a_team_smaller_than_planned(kernel_package, tmp_path):
     # Shares are planned for omp_get_max_threads() (3 here), but the team that runs them may be smaller (a call
     # from inside another parallel region; here a limit of 1 thread): its threads take the other shares' chunks.
-    path, module, args = kernel_package
-    outs = _run_in_a_fresh_process(path, args, tmp_path, env={"OMP_NUM_THREADS": "3", "OMP_THREAD_LIMIT": "1"})
+    module, args = kernel_package.module, kernel_package.args
+    outs = _run_in_a_fresh_process(kernel_package, tmp_path, env={"OMP_NUM_THREADS": "3", "OMP_THREAD_LIMIT": "1"})
     for out, expected in zip(outs, _expected(module, args)):
         _assert_close(out, expected)
 

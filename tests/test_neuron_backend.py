@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, SLIDING_WINDOW_CONFIGS, TINY_EXPORT,
-                      assert_bf16_logits_within_tolerance, build_tiny_checkpoint, left_padded_prompts, tiny_export)
+from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, SLIDING_WINDOW_FAMILIES, TINY_EXPORT,
+                      assert_bf16_logits_within_tolerance, left_padded_prompts, tiny_export)
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.modeling.decoder import StaticDecoder
 from optimum_neuronx.verification import compare_generation
@@ -48,7 +48,7 @@ def _compare(model, reference, new_tokens=40, **kwargs):
                               min_new_tokens=new_tokens, **kwargs)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers_across_buckets(neuron_model, reference_model, tp):
     # 3 left-padded prompts of 16 tokens + 40 new ones: token graph 32 then 64, on tp virtual devices
     result = _compare(neuron_model(tp), reference_model("llama"))
@@ -58,6 +58,7 @@ def test_greedy_generation_matches_transformers_across_buckets(neuron_model, ref
 
 # Every family in float32 on one device; compiled on two devices for an MHA family (gpt2) and a MoE one (mixtral),
 # llama (dense GQA) at 1, 2 and 4 above; every family's sharded layout is checked eagerly at the end of this file.
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type, tp", [(a, 1) for a in ARCHITECTURES if a != "llama"]
                          + [("gpt2", 2), ("mixtral", 2)])
 def test_every_architecture_matches_transformers(tiny_checkpoint, reference_model, model_type, tp):
@@ -74,19 +75,18 @@ def test_every_architecture_matches_transformers(tiny_checkpoint, reference_mode
         assert (axes["experts_gate_up"], axes["experts_down"], axes["router"]) == (2, 3, None)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("case", SLIDING_WINDOW_CONFIGS)
-def test_sliding_windows_match_transformers(case, tp, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    model_type, overrides = SLIDING_WINDOW_CONFIGS[case]
-    checkpoint = build_tiny_checkpoint(model_type, tmp_path / "checkpoint", **overrides)
-    model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, num_cores=tp, **NEURON_EXPORT)
-    result = _compare(model, AutoModelForCausalLM.from_pretrained(checkpoint).eval())
-    print(f"{case} tp_degree={tp}: {result.summary()}")
+# The sliding-window families at tp 1 above; here their windows over sharded caches
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", SLIDING_WINDOW_FAMILIES)
+def test_sliding_windows_match_transformers_across_devices(model_type, tiny_checkpoint, reference_model):
+    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, num_cores=2,
+                                                   **NEURON_EXPORT)
+    result = _compare(model, reference_model(model_type))
+    print(f"{model_type} tp_degree=2: {result.summary()}")
     assert result.tokens_match and result.max_logit_diff < 1e-4
 
 
+@pytest.mark.slow
 def test_speculation_verifies_drafts_across_devices(tiny_checkpoint, reference_model):
     """Verification graphs (3 drafted tokens) sharded over 2 devices: prompt lookup and a draft model give plain
     greedy's tokens, across the 32 -> 64 bucket."""
@@ -100,6 +100,7 @@ def test_speculation_verifies_drafts_across_devices(tiny_checkpoint, reference_m
         assert torch.equal(actual, expected), options
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_logits_equal_one_device(neuron_model, tp):
     input_ids, attention_mask = left_padded_prompts([16, 11, 5], seed=8)
@@ -119,6 +120,7 @@ def test_tensor_parallel_logits_equal_one_device(neuron_model, tp):
     assert f'mhlo.sharding = "{{devices=[1,1,1,{tp},1,1]{",".join(map(str, range(tp)))}}}"' in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_each_device_attends_with_its_own_heads(neuron_model, tp):
     # In the partitioned program XLA compiled: one reduction after each row-parallel projection (o, down), and
@@ -135,6 +137,7 @@ def test_each_device_attends_with_its_own_heads(neuron_model, tp):
     assert gathered and max(gathered) < batch * kv_heads * window * head_dim
 
 
+@pytest.mark.slow
 def test_sampling_and_beam_search_run_on_device(neuron_model, reference_model):
     model = neuron_model(2)
     input_ids, attention_mask = left_padded_prompts([9], seed=3)
@@ -152,6 +155,7 @@ def test_sampling_and_beam_search_run_on_device(neuron_model, reference_model):
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.slow
 def test_the_kv_cache_stays_on_the_device(neuron_model, monkeypatch):
     model = neuron_model(2)
     input_ids, _ = left_padded_prompts([6], seed=4)
@@ -206,6 +210,7 @@ def test_reload_runs_without_compiling(neuron_model, reference_model, tmp_path, 
     assert _compare(model, reference_model("llama"), new_tokens=20).tokens_match
 
 
+@pytest.mark.slow
 def test_bf16_export_is_within_bf16_noise(tiny_checkpoint, reference_model):
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, auto_cast_type="bf16",
                                                    **NEURON_EXPORT)
@@ -213,6 +218,7 @@ def test_bf16_export_is_within_bf16_noise(tiny_checkpoint, reference_model):
     assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", BF16_BLOCK_KINDS)
 def test_bf16_logits_of_every_block_kind_within_bf16_noise(model_type, tiny_checkpoint, reference_model):
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, backend="neuron",
@@ -223,6 +229,7 @@ def test_bf16_logits_of_every_block_kind_within_bf16_noise(model_type, tiny_chec
                                         model_type)
 
 
+@pytest.mark.slow
 def test_cli_export_and_verify(tiny_checkpoint, tmp_path):
     out = tmp_path / "cli-neuron"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -295,6 +302,7 @@ def fake_neuronx_cc(tmp_path, monkeypatch):
     return lambda: [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("instance_type, source, lnc", [("inf2.8xlarge", ".hlo.pb", None), ("trn2", ".mlir", "2")])
 def test_neffs_are_compiled_per_target_in_parallel(tiny_checkpoint, fake_neuronx_cc, instance_type, source, lnc):
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, instance_type=instance_type,
@@ -328,6 +336,7 @@ def test_neuronx_cc_argv_follows_auto_cast_type_and_compiler_args():
     assert argv[argv.index("--auto-cast") + 1] == "matmult" and argv[argv.index("--auto-cast-type") + 1] == "bf16"
 
 
+@pytest.mark.slow
 def test_a_neff_compile_failure_names_the_graph_and_keeps_the_log(tiny_checkpoint, fake_neuronx_cc, monkeypatch,
                                                                  tmp_path):
     monkeypatch.setenv("FAKE_NEURONX_CC_FAIL", "1")

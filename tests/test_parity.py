@@ -8,16 +8,22 @@ import weakref
 import pytest
 import torch
 
-from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, SLIDING_WINDOW_CONFIGS, TINY_EXPORT,
-                      assert_bf16_logits_within_tolerance, build_tiny_checkpoint, left_padded_prompts, tiny_export, tune)
+from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, assert_bf16_logits_within_tolerance, build_tiny_checkpoint,
+                      left_padded_prompts, tune)
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
+
+
+def family_params(exclude: str = ""):
+    """Every family: llama in the inner loop (`-m "not slow"`), the others with the slow tests."""
+    return [a if a == "llama" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHITECTURES if a != exclude]
+
 
 # fp32: compiled and eager differ by ~1e-5; the bound leaves room for kernel reordering only.
 LOGIT_TOLERANCE = 1e-3
 
 
-@pytest.mark.parametrize("model_type", ARCHITECTURES)
+@pytest.mark.parametrize("model_type", family_params())
 def test_greedy_batch_crosses_token_bucket(model_type, reference_model, compiled_model, left_padded_batch,
                                            record_property):
     input_ids, attention_mask = left_padded_batch
@@ -37,7 +43,7 @@ def test_greedy_batch_crosses_token_bucket(model_type, reference_model, compiled
 
 # phi3 left out: LongRoPE picks its frequencies by the longest position of the whole batch (in Transformers too), so
 # a short prompt switches earlier in a batch than alone.
-@pytest.mark.parametrize("model_type", [a for a in ARCHITECTURES if a != "phi3"])
+@pytest.mark.parametrize("model_type", family_params(exclude="phi3"))
 def test_prompt_alone_matches_prompt_in_padded_batch(model_type, compiled_model, left_padded_batch):
     model = compiled_model(model_type)
     input_ids, attention_mask = left_padded_batch
@@ -51,6 +57,7 @@ def test_prompt_alone_matches_prompt_in_padded_batch(model_type, compiled_model,
         assert (new_batched[len(new_alone):] == model.generation_config.pad_token_id).all()
 
 
+@pytest.mark.slow
 def test_context_logits_match_eager(reference_model, compiled_model, left_padded_batch):
     model_type = "qwen3"
     input_ids, attention_mask = left_padded_batch
@@ -61,6 +68,7 @@ def test_context_logits_match_eager(reference_model, compiled_model, left_padded
     assert (actual - expected).abs().max().item() < LOGIT_TOLERANCE
 
 
+@pytest.mark.slow
 def test_smaller_runtime_batch_is_padded(reference_model, compiled_model):
     model_type = "mistral"
     prompt = torch.tensor([[5, 17, 42, 99, 7, 3]])
@@ -70,12 +78,24 @@ def test_smaller_runtime_batch_is_padded(reference_model, compiled_model):
 
 
 @pytest.fixture(scope="module")
-def bf16_llama(tiny_checkpoint):
-    return NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=2,
-                                                  sequence_length=32, context_buckets=[16], token_buckets=[32],
-                                                  auto_cast_type="bf16")
+def bf16_llama(tmp_path_factory):
+    """The Llama block in bfloat16 with heads of 64 (SmolLM2's, the 1.1B shape's; 3 query heads per KV head, as
+    SmolLM2): with avx512_bf16 decode attention reads the bfloat16 cache with vdpbf16ps against the query rounded to
+    bfloat16 (decode_attention.cpp, DenseRows), where the other tiny models' heads of 16 take the loops that widen
+    each block of rows. Plain weight rows, where this CPU's tuning would tile them (tiles: test_tiled_weights.py).
+    Returns (model, checkpoint, eager float32 reference)."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = build_tiny_checkpoint("llama", tmp_path_factory.mktemp("heads-of-64"), hidden_size=96, head_dim=64,
+                                       num_attention_heads=6, num_key_value_heads=2)
+    with pytest.MonkeyPatch.context() as patch:
+        tune(patch, weight_tile={})
+        model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, batch_size=2, sequence_length=32,
+                                                       context_buckets=[16], token_buckets=[32], auto_cast_type="bf16")
+    return model, checkpoint, AutoModelForCausalLM.from_pretrained(checkpoint).eval()
 
 
+@pytest.mark.slow
 def test_bf16_export_runs_decode_projections_through_the_dot_kernel(bf16_llama):
     # The teacher-forced test below checks this export's numbers: it must be the kernel's path that it checks.
     import json
@@ -87,87 +107,49 @@ def test_bf16_export_runs_decode_projections_through_the_dot_kernel(bf16_llama):
     isa = get_backend("inductor").dot_kernel_isa(torch.bfloat16)
     if not isa:
         pytest.skip("no bfloat16 dot kernel on this machine (it needs AVX2 or AVX-512, and GCC or Clang)")
-    stamp = json.loads((bf16_llama.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
+    model = bf16_llama[0]
+    stamp = json.loads((model.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
     assert stamp["lowering"]["dot_rows"] == 4 and stamp["packable_weights"] == []  # all read by the kernel
     assert stamp["lowering"]["dot_isa"] == isa and stamp["codegen"]["kernels"]
     assert set(DOT_KERNEL_ISAS[isa][torch.bfloat16]) <= set(stamp["target"].split())
 
 
-def test_bf16_logits_within_tolerance_teacher_forced(tiny_checkpoint, reference_model, bf16_llama,
-                                                    left_padded_batch):
+@pytest.mark.slow
+def test_bf16_logits_within_tolerance_teacher_forced(bf16_llama, left_padded_batch):
     """bf16 greedy paths diverge between any two implementations: compare logits on the same tokens instead.
 
     The yardstick is bf16's own rounding noise: Transformers eager in bf16 vs the fp32 reference.
     """
+    model, checkpoint, reference = bf16_llama
     input_ids, attention_mask = (t[1:] for t in left_padded_batch)  # 2 rows: lengths 9 and 14
-    assert_bf16_logits_within_tolerance(bf16_llama, tiny_checkpoint, reference_model, input_ids, attention_mask)
+    assert_bf16_logits_within_tolerance(model, lambda _: checkpoint, lambda _: reference, input_ids, attention_mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", BF16_BLOCK_KINDS)
 def test_bf16_logits_of_every_block_kind_within_tolerance(model_type, tiny_checkpoint, reference_model, left_padded_batch):
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, batch_size=2,
                                                    sequence_length=32, context_buckets=[16], token_buckets=[32],
                                                    auto_cast_type="bf16")
+    if model_type == "gpt2":
+        # As many KV heads as query heads (gpt2, Llama-2, Phi-3-mini): AOTInductor's layer loop crashed the process at
+        # the first bfloat16 decode step; the inductor backend unrolls such models' layers.
+        assert not _scans_layers(model, tiny_checkpoint(model_type))
     input_ids, attention_mask = (t[1:] for t in left_padded_batch)
     assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask,
                                         model_type)
 
 
-def test_bf16_without_grouped_kv_heads_runs_unrolled_layers(tmp_path, left_padded_batch):
-    # As many KV heads as query heads (Llama-2, Phi-3-mini): AOTInductor's layer loop crashed the process at the first
-    # bfloat16 decode step; the inductor backend unrolls such models' layers.
-    from transformers import AutoModelForCausalLM
-
-    from optimum_neuronx.backends import get_backend
-
-    checkpoint = build_tiny_checkpoint("llama", tmp_path / "mha", num_key_value_heads=4)
-    model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, batch_size=1, sequence_length=32,
-                                                   context_buckets=[16], token_buckets=[32], auto_cast_type="bf16",
-                                                   compile_cache=False)
+def _scans_layers(model, checkpoint) -> bool:
+    """Whether the inductor backend compiled `model`'s layers as one loop (else unrolled)."""
     from transformers import AutoConfig
 
+    from optimum_neuronx.backends import get_backend
     from optimum_neuronx.exporters import get_export_config
 
-    spec = get_export_config("llama").decoder_spec(AutoConfig.from_pretrained(checkpoint), model.neuron_config)
-    assert not get_backend("inductor").kernels(torch.bfloat16, 1).scans(spec)
-    input_ids, attention_mask = (t[2:] for t in left_padded_batch)
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    assert_bf16_logits_within_tolerance(model, lambda _: checkpoint, lambda _: reference, input_ids, attention_mask)
-
-
-def test_bf16_logits_within_tolerance_with_heads_of_64(tmp_path, left_padded_batch, monkeypatch):
-    # Heads of 64 (SmolLM2's, the 1.1B shape's): with avx512_bf16 decode attention reads the bfloat16 cache with
-    # vdpbf16ps against the query rounded to bfloat16 (decode_attention.cpp, DenseRows); the tiny llama's heads of
-    # 16 take the loops that widen each block of rows. 3 query heads per KV head, as SmolLM2. Plain weight rows
-    # here, where the CPU's tuning would tile them (bf16_llama above takes the tuning as it is).
-    from transformers import AutoModelForCausalLM
-
-    tune(monkeypatch, weight_tile={})
-
-    checkpoint = build_tiny_checkpoint("llama", tmp_path / "heads-of-64", hidden_size=96, head_dim=64,
-                                       num_attention_heads=6, num_key_value_heads=2)
-    model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, batch_size=2, sequence_length=32,
-                                                   context_buckets=[16], token_buckets=[32], auto_cast_type="bf16",
-                                                   compile_cache=False)
-    input_ids, attention_mask = (t[1:] for t in left_padded_batch)
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    assert_bf16_logits_within_tolerance(model, lambda _: checkpoint, lambda _: reference, input_ids, attention_mask)
-
-
-def test_reexport_with_other_sequence_length_does_not_reuse_stale_kernels(compiled_model, tiny_checkpoint,
-                                                                          reference_model, left_padded_batch):
-    """Same architecture and bucket names as the shared fixture, another KV-cache length.
-
-    AOTInductor's default build directory is keyed by the FX code, which does not encode shapes: without a
-    fresh build directory per graph, this export silently reused the S=64 kernels and wrote a wrong cache.
-    """
-    compiled_model("llama")  # compile the S=64 graphs first, in this process
-    longer = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=3,
-                                                    sequence_length=128, context_buckets=[16], token_buckets=[32, 128])
-    input_ids, attention_mask = left_padded_batch
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=45, min_new_tokens=45, do_sample=False)
-    expected = reference_model("llama").generate(input_ids=input_ids, **kwargs)
-    assert torch.equal(longer.generate(input_ids=input_ids, **kwargs), expected)
+    config = AutoConfig.from_pretrained(checkpoint)
+    spec = get_export_config(config.model_type).decoder_spec(config, model.neuron_config)
+    return get_backend("inductor").kernels(torch.bfloat16, model.neuron_config.batch_size).scans(spec)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -253,31 +235,6 @@ def test_projection_with_packed_weight_matches_linear(rows, dtype):
         out = project(x, weight_given, bias, lowering)
         assert out.shape == (rows, 1, 80) and out.dtype == dtype
         torch.testing.assert_close(out.float(), expected, **tolerance)
-
-
-def test_batch_past_the_dot_kernel_runs_on_packed_weights_and_matches_eager(tiny_checkpoint, reference_model):
-    # Up to 4 rows the dot kernel reads every projection's weight plain (the shared exports, batch 3). A batch of 5
-    # is past it: the layer projections and the untied LM head go through oneDNN on weights packed at load, and the
-    # generation must still be eager's, on prompts of different lengths, across a token bucket.
-    import json
-
-    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=5,
-                                                   sequence_length=48, context_buckets=[16], token_buckets=[24, 48])
-    stamp = json.loads((model.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
-    if not stamp["lowering"]["packed_rows"]:
-        pytest.skip("no oneDNN path on this CPU")
-    assert stamp["lowering"]["packed_rows"] == 5
-    names = stamp["packable_weights"]
-    assert len(names) == 2 * 4 + 1 and "lm_head.weight" in names and "embed_tokens.weight" not in names
-    assert all(model._weights[name].is_mkldnn for name in names)
-    assert not model._weights["embed_tokens.weight"].is_mkldnn
-    input_ids, attention_mask = left_padded_prompts((3, 16, 7, 11, 1), seed=5)
-    new_tokens = 20  # 16 + 20 > 24: decode crosses the 24 -> 48 token bucket
-    result = compare_generation(reference_model("llama"), model, input_ids, attention_mask,
-                                max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-    assert result.new_tokens == new_tokens
-    assert result.max_logit_diff < LOGIT_TOLERANCE, result
-    assert result.tokens_match, result
 
 
 def test_weights_file_puts_whole_line_tensors_on_cache_lines(tmp_path):
@@ -411,52 +368,61 @@ def test_blocked_causal_attention_matches_sdpa(dtype, block):
     torch.testing.assert_close(out.float()[real], expected[real], **tolerance)
 
 
-def test_prompts_longer_than_an_attention_block_match_eager(tiny_checkpoint, reference_model):
-    # Prompts left-padded into a context bucket of 1.75 attention blocks: the context graph's attention runs in
-    # a full block and a shorter one, row 0's padding fills the first block entirely, row 2 spans both.
+@pytest.mark.slow
+def test_wide_batch_long_prompts_and_another_cache_length_match_eager(compiled_model, tiny_checkpoint, reference_model):
+    """One llama export of its own shapes shows what the shared exports cannot:
+    - a batch of 5, past the dot kernel's 4 rows: the layer projections and the untied LM head run through oneDNN on
+      weights packed at load;
+    - prompts left-padded into a context bucket of 1.75 attention blocks: the context graph's attention runs in a
+      full block and a shorter one, one row's padding fills the first block, another spans both;
+    - the graph names of the shared llama export (context_16, token_32) with another KV-cache length: without a fresh
+      build directory per graph AOTInductor (keyed by the FX code, not shapes) silently reused the S=64 kernels."""
+    import json
+
     from optimum_neuronx.backends import get_backend
 
-    block = get_backend("inductor").kernels(torch.float32, batch_size=3).causal_block
+    compiled_model("llama")  # the S=64 graphs first, in this process
+    block = get_backend("inductor").kernels(torch.float32, batch_size=5).causal_block
     assert 0 < block <= 128  # the tiny models hold 256 positions
     bucket = block * 7 // 4
-    model_type = "qwen2"  # tied embeddings; llama/mistral/qwen3 share the decoder and its attention
-    compiled = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, batch_size=3,
-                                                      sequence_length=bucket + 32, context_buckets=[bucket],
-                                                      token_buckets=[bucket + 32])
-    input_ids, attention_mask = left_padded_prompts((bucket - block - 8, block + 20, bucket - 14), seed=2)
-    result = compare_generation(reference_model(model_type), compiled, input_ids, attention_mask,
-                                max_new_tokens=20, min_new_tokens=20)
-    assert result.max_logit_diff < LOGIT_TOLERANCE, result
-    assert result.tokens_match, result
+    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, batch_size=5,
+                                                   sequence_length=bucket + 32, context_buckets=[16, bucket],
+                                                   token_buckets=[32, bucket + 32])
+    stamp = json.loads((model.artifact_dir / "neuron_config.json").read_text())["versions"]["compiler"]
+    if stamp["lowering"]["packed_rows"]:  # (a CPU without oneDNN's path runs the same graphs on plain weights)
+        assert stamp["lowering"]["packed_rows"] == 5
+        names = stamp["packable_weights"]
+        assert len(names) == 2 * 4 + 1 and "lm_head.weight" in names and "embed_tokens.weight" not in names
+        assert all(model._weights[name].is_mkldnn for name in names)
+        assert not model._weights["embed_tokens.weight"].is_mkldnn
+    reference = reference_model("llama")
+    # short prompts: the 16-token context graph, then 45 new tokens across the 32 -> bucket + 32 token graphs
+    input_ids, attention_mask = left_padded_prompts((3, 16, 7, 11, 1), seed=5)
+    result = compare_generation(reference, model, input_ids, attention_mask, max_new_tokens=45, min_new_tokens=45)
+    assert result.new_tokens == 45 and result.max_logit_diff < LOGIT_TOLERANCE and result.tokens_match, result
+    # long prompts: the context graph of 1.75 blocks
+    lengths = (bucket - block - 8, block + 20, bucket - 14, 40, 17)
+    input_ids, attention_mask = left_padded_prompts(lengths, seed=2)
+    result = compare_generation(reference, model, input_ids, attention_mask, max_new_tokens=20, min_new_tokens=20)
+    assert result.max_logit_diff < LOGIT_TOLERANCE and result.tokens_match, result
 
 
-@pytest.mark.parametrize("case", SLIDING_WINDOW_CONFIGS)
-def test_sliding_windows_shorter_than_the_sequence_match_eager(case, tmp_path, left_padded_batch):
-    # Prompts of 5..14 tokens and 45 new ones under a 12-token window: it cuts into the prompts, then slides along
-    # the generation across the 32 -> 64 token bucket.
-    from transformers import AutoModelForCausalLM
-
-    model_type, overrides = SLIDING_WINDOW_CONFIGS[case]
-    checkpoint = build_tiny_checkpoint(model_type, tmp_path / "checkpoint", **overrides)
-    compiled = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, **TINY_EXPORT)
-    nc = compiled.neuron_config
-    assert nc.sequence_length > 12
-    # every layer sliding: the cache is a ring of the window's 12 slots; some layers: every slot for all layers
-    assert compiled._cache.kv.shape[4] == (12 if case == "mistral-every-layer" else nc.sequence_length)
-    input_ids, attention_mask = left_padded_batch
-    result = compare_generation(AutoModelForCausalLM.from_pretrained(checkpoint).eval(), compiled, input_ids,
-                                attention_mask, max_new_tokens=45, min_new_tokens=45)
-    print(f"{case}: {result.summary()}")
-    assert result.max_logit_diff < LOGIT_TOLERANCE, result
-    assert result.tokens_match, result
-    if case == "mistral-every-layer":  # past the window a ring cannot roll back: assisted decoding is refused
-        with pytest.raises(ValueError, match="Assisted decoding requires a cache that can be cropped"):
-            compiled.generate(input_ids[2:], prompt_lookup_num_tokens=3, max_new_tokens=4)
-        handle = compiled._handle  # the assisted generate's prompt: 14 tokens, 2 of them past the ring
-        handle.crop(-1)  # one token back: its slot is rewritten by the next step
-        with pytest.raises(ValueError, match=r"cannot roll the cache back from \d+ to \d+ tokens: .* only the last "
-                                             r"12 \(its sliding window\)"):
-            handle.crop(-2)
+@pytest.mark.slow
+def test_sliding_window_caches_keep_what_their_windows_need(compiled_model):
+    # (Their tokens and logits: test_greedy_batch_crosses_token_bucket[mistral|qwen2].) Every layer sliding: the cache
+    # is a ring of the window's 12 slots; some layers: every slot for all layers.
+    mistral, qwen2 = compiled_model("mistral"), compiled_model("qwen2")
+    assert mistral._cache.kv.shape[4] == 12 < mistral.neuron_config.sequence_length
+    assert qwen2._cache.kv.shape[4] == qwen2.neuron_config.sequence_length
+    # past the window a ring cannot roll back: assisted decoding is refused
+    input_ids, _ = left_padded_prompts((14,), seed=1)
+    with pytest.raises(ValueError, match="Assisted decoding requires a cache that can be cropped"):
+        mistral.generate(input_ids, prompt_lookup_num_tokens=3, max_new_tokens=4)
+    handle = mistral._handle  # the assisted generate's prompt: 14 tokens, 2 of them past the ring
+    handle.crop(-1)  # one token back: its slot is rewritten by the next step
+    with pytest.raises(ValueError, match=r"cannot roll the cache back from \d+ to \d+ tokens: .* only the last "
+                                         r"12 \(its sliding window\)"):
+        handle.crop(-2)
 
 
 def test_dropping_a_model_frees_its_weights(saved_tiny_llama):

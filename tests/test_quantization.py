@@ -14,6 +14,7 @@ from optimum_neuronx.backends.inductor.ops import int8_matvec
 from optimum_neuronx.configuration import NeuronConfig
 from optimum_neuronx.modeling.quantization import dequantize, quantize_int8, quantize_weights
 
+import kernel_packages
 from conftest import left_padded_prompts, tiny_export
 
 BACKEND = get_backend("inductor")
@@ -49,31 +50,33 @@ class _Int8Projections(torch.nn.Module):
         return (*outs, int8_matvec(transposed.t(), self.weights[0], self.scales[0]))  # a strided x
 
 
-@pytest.fixture(scope="module", params=[(isa, dtype) for isa in ISAS for dtype in (torch.bfloat16, torch.float32)],
-                ids=lambda p: f"{p[0]}-{'bf16' if p[1] == torch.bfloat16 else 'fp32'}")
-def int8_kernel_package(request, tmp_path_factory):
-    from torch._inductor.package import package_aoti
+def _int8_runs_here(isa, dtype):
+    return isa in ISAS and all(cpu_has(f) for f in ISAS[isa]) and BACKEND.has_dot_kernel(torch.float32)
 
-    from optimum_neuronx.backends.inductor.custom_kernels import c_shim_options
 
-    isa, dtype = request.param
-    if not all(cpu_has(f) for f in ISAS[isa]) or not BACKEND.has_dot_kernel(torch.float32):
-        pytest.skip(f"int8_matvec's {isa} kernel needs {ISAS[isa]} and GCC or Clang")
-    module = _Int8Projections().eval()
+def _int8_graph(dtype):
     generator = torch.Generator().manual_seed(1)
     args = ([torch.randn(rows, k, generator=generator).to(dtype) for rows, k, _ in SHAPES],
             torch.randn(SHAPES[0][1], 3, generator=generator).to(dtype))
-    program = torch.export.export(module, args, strict=False)
-    options = c_shim_options(4, isa, int8=True)
-    files = torch._inductor.aot_compile(program.module(), args, options={"aot_inductor.package": True, **options})
-    return package_aoti(str(tmp_path_factory.mktemp("int8") / "int8.pt2"), files), module, args
+    return _Int8Projections(), args
+
+
+kernel_packages.register("int8_matvec", _int8_runs_here, _int8_graph)
+
+
+@pytest.fixture(scope="module", params=[(isa, dtype) for isa in ISAS for dtype in (torch.bfloat16, torch.float32)],
+                ids=lambda p: f"{p[0]}-{'bf16' if p[1] == torch.bfloat16 else 'fp32'}")
+def int8_kernel_package(request, tmp_path_factory):
+    """This variant's graph, in the package shared with the other kernels' tests (kernel_packages.py)."""
+    isa, dtype = request.param
+    if not _int8_runs_here(isa, dtype):
+        pytest.skip(f"int8_matvec's {isa} kernel needs {ISAS[isa]} and GCC or Clang")
+    return kernel_packages.kernel_part("int8_matvec", isa, dtype, lambda: tmp_path_factory.mktemp("kernels"))
 
 
 def test_int8_kernel_matches_dequantized_sums_rounded_once(int8_kernel_package):
-    from torch._inductor.package import load_package
-
-    path, module, (xs, transposed) = int8_kernel_package
-    outs = load_package(path)(xs, transposed)
+    module, (xs, transposed) = int8_kernel_package.module, int8_kernel_package.args
+    outs = int8_kernel_package.run()
     pairs = [*zip(xs, module.weights, module.scales), (transposed.t(), module.weights[0], module.scales[0])]
     assert len(outs) == len(pairs)
     for out, (x, w, s) in zip(outs, pairs):
@@ -172,16 +175,21 @@ CHAT_PROMPTS = ["What is the capital of France?", "Give me three tips for stayin
 
 @pytest.fixture(scope="module")
 def smollm2_bf16_pair(smollm2_checkpoint):
-    """SmolLM2 in bfloat16, plain and with int8 projections (same shapes: two chat prompts + 128 new tokens)."""
-    options = dict(export=True, batch_size=2, sequence_length=256, context_buckets=[256], token_buckets=[256],
-                   auto_cast_type="bf16")
-    return (NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, **options),
-            NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, **options, quantization="int8"))
+    """SmolLM2 in bfloat16: Transformers eager (the yardstick; our bf16 graphs' parity: test_parity.py's bf16 tests)
+    and our export with int8 projections (two chat prompts + 128 new tokens; 255 tokens of text)."""
+    from transformers import AutoModelForCausalLM
+
+    eager = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.bfloat16).eval()
+    int8 = NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, export=True, batch_size=2, sequence_length=256,
+                                                  context_buckets=[256], token_buckets=[256], auto_cast_type="bf16",
+                                                  quantization="int8")
+    return eager, int8
 
 
 def _perplexity(model, ids):
     """exp(mean negative log-likelihood) of ids[1:] given what precedes them, from the compiled graphs' logits."""
-    logits = model(ids[:, :-1], logits_to_keep=0).logits.float()  # one context pass, the rest decode steps
+    with torch.no_grad():
+        logits = model(ids[:, :-1], logits_to_keep=0).logits.float()  # ours: one context pass, the rest decode steps
     return torch.nn.functional.cross_entropy(logits[0], ids[0, 1:]).exp().item()
 
 

@@ -99,7 +99,7 @@ def test_unsupported_config_features_are_refused(model_type, overrides, message)
 
 def test_sliding_windows_per_layer():
     spec = lambda model_type, **kw: get_export_config(model_type).decoder_spec(_config(model_type, **kw), SMALL)  # noqa
-    assert (spec("mistral", sliding_window=4096).sliding_window, spec("mistral").sliding_layers) == (0, ())  # covers all
+    assert (spec("mistral", sliding_window=4096).sliding_window, spec("mistral", sliding_window=4096).sliding_layers) == (0, ())  # covers all
     assert (spec("mistral", sliding_window=16).sliding_window, spec("mistral", sliding_window=16).sliding_layers) == (
         16, (0, 1))
     qwen2 = spec("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)

@@ -191,6 +191,7 @@ def test_on_device_sampling_errors(compiled_model):
         NeuronConfig(on_device_sampling="yes")
 
 
+@pytest.mark.slow
 @pytest.mark.pjrt
 def test_sampling_graphs_on_the_neuron_backend(tiny_checkpoint, compiled_model):
     """The same graphs lowered to StableHLO: greedy tokens picked on the (XLA) device equal the inductor export's."""

@@ -120,11 +120,8 @@ def test_speculation_errors(speculative, reference_model, left_padded_batch, tin
         NeuronConfig(speculation_length=-1)
 
 
-def test_speculation_is_refused_for_window_caches(tiny_checkpoint, tmp_path):
-    from conftest import SLIDING_WINDOW_CONFIGS, build_tiny_checkpoint
-
-    model_type, overrides = SLIDING_WINDOW_CONFIGS["mistral-every-layer"]
-    checkpoint = build_tiny_checkpoint(model_type, tmp_path / "windowed", **overrides)
+def test_speculation_is_refused_for_window_caches(tiny_checkpoint):
+    checkpoint = tiny_checkpoint("mistral")  # a 12-token window on every layer: its cache is a ring
     with pytest.raises(ValueError, match=r"keep only their last 12 tokens .* cannot be rolled back"):
         NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, batch_size=1, sequence_length=64,
                                                context_buckets=[16], token_buckets=[64], speculation_length=2)

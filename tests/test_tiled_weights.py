@@ -226,6 +226,7 @@ def test_export_stores_tiles_and_generates_as_transformers(tiled_llama, referenc
                                          do_sample=False), expected[:, :input_ids.shape[1] + 20])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_bfloat16_tiles_export_within_bfloat16s_rounding(tiny_checkpoint, reference_model, left_padded_batch,
                                                          batch_size):
