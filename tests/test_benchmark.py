@@ -138,6 +138,7 @@ def test_static_cache_baseline_is_generate_compiling_its_decode_step_on_cpu(benc
         torch._dynamo.reset()
 
 
+@pytest.mark.slow  # subprocesses that fail and time out
 def test_a_failing_or_hung_job_is_recorded_not_raised(bench, tmp_path):
     failed = bench.run_batches(eager_job(tmp_path / "missing", tmp_path), timeout=600, probe=lambda: {})
     assert set(failed) == {1, 2}
@@ -149,6 +150,7 @@ def test_a_failing_or_hung_job_is_recorded_not_raised(bench, tmp_path):
     assert hung == {1: timed_out, 2: timed_out}
 
 
+@pytest.mark.slow  # compiles the bandwidth probes
 def test_bandwidth_probe_reports_each_kernel(bench):
     # decode's own dot kernel is probed where decode runs it: a faster loop than the probes would overstate %
     from optimum_neuronx.backends import get_backend

@@ -47,7 +47,8 @@ def test_a_planted_entry_is_ignored_and_recompiled(tiny_checkpoint, compiled_mod
     from conftest import seed_compile_cache, tiny_export
     from optimum_neuronx.exporters import export as export_module
 
-    checkpoint, options = str(tiny_checkpoint("qwen2")), tiny_export("qwen2")
+    session_export = compiled_model("llama")  # (compiled, or loaded from the session's cache, before compiling is stopped)
+    checkpoint, options = str(tiny_checkpoint("llama")), tiny_export("llama")
     key = prepare(checkpoint, NeuronConfig(**options), load_weights=False).cache_key()
     cache = CompileCache(tmp_path / "shared-cache")
     planted = cache.entry_dir(key)
@@ -66,8 +67,8 @@ def test_a_planted_entry_is_ignored_and_recompiled(tiny_checkpoint, compiled_mod
         NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, compile_cache_dir=cache.root, **options)
     assert f"Compile cache entry {planted} was not stored by this user" in caplog.text
     assert "Compile cache miss" in caplog.text
-    # the graphs it compiles are stored as an export stores them (the session's own qwen2 export here)
-    seed_compile_cache(cache.root, checkpoint, compiled_model("qwen2"))
+    # the graphs it compiles are stored as an export stores them (the session's own export here)
+    seed_compile_cache(cache.root, checkpoint, session_export)
     assert cache.lookup(key) == planted and (planted / "model.pt2").stat().st_size > 22  # replaced by ours
 
 
