@@ -128,6 +128,7 @@ m.save_pretrained(sys.argv[3])
 
 @pytest.mark.slow
 def test_concurrent_exports_of_one_key_compile_once(tiny_checkpoint, tmp_path):
+    # a fresh cache: exactly one of the two processes must compile
     cache_dir = tmp_path / "cache"
     procs = [subprocess.Popen([sys.executable, "-c", EXPORT_SCRIPT, str(tiny_checkpoint("mistral")), str(cache_dir),
                                str(tmp_path / f"out{i}")], stderr=subprocess.PIPE, text=True) for i in range(2)]

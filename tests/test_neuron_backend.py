@@ -212,6 +212,7 @@ def test_reload_runs_without_compiling(neuron_model, reference_model, tmp_path, 
 
 @pytest.mark.slow
 def test_bf16_export_is_within_bf16_noise(tiny_checkpoint, reference_model):
+    # its own export: the Llama block in bfloat16 (neuron_model is float32)
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, auto_cast_type="bf16",
                                                    **NEURON_EXPORT)
     input_ids, attention_mask = left_padded_prompts([16, 11, 5], seed=5)
@@ -221,6 +222,7 @@ def test_bf16_export_is_within_bf16_noise(tiny_checkpoint, reference_model):
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", BF16_BLOCK_KINDS)
 def test_bf16_logits_of_every_block_kind_within_bf16_noise(model_type, tiny_checkpoint, reference_model):
+    # its own export: bfloat16
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, backend="neuron",
                                                    batch_size=2, sequence_length=32, context_buckets=[16],
                                                    token_buckets=[32], auto_cast_type="bf16")
@@ -231,6 +233,7 @@ def test_bf16_logits_of_every_block_kind_within_bf16_noise(model_type, tiny_chec
 
 @pytest.mark.slow
 def test_cli_export_and_verify(tiny_checkpoint, tmp_path):
+    # neuron_model(2)'s shapes: a hit in the session's compile cache once that export is made
     out = tmp_path / "cli-neuron"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     export = subprocess.run([sys.executable, "-m", "optimum_neuronx.commands", "--model",
@@ -246,6 +249,7 @@ def test_cli_export_and_verify(tiny_checkpoint, tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_on_smollm2_matches_eager(smollm2_checkpoint):
+    # the real model on the neuron backend (its own export)
     import transformers
 
     from optimum_neuronx import pipeline
@@ -305,6 +309,7 @@ def fake_neuronx_cc(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("instance_type, source, lnc", [("inf2.8xlarge", ".hlo.pb", None), ("trn2", ".mlir", "2")])
 def test_neffs_are_compiled_per_target_in_parallel(tiny_checkpoint, fake_neuronx_cc, instance_type, source, lnc):
+    # its own export: the NEFF compile runs inside the export, for this instance type
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, instance_type=instance_type,
                                                    compile_cache=False, **NEURON_EXPORT)
     calls = fake_neuronx_cc()
@@ -339,7 +344,7 @@ def test_neuronx_cc_argv_follows_auto_cast_type_and_compiler_args():
 @pytest.mark.slow
 def test_a_neff_compile_failure_names_the_graph_and_keeps_the_log(tiny_checkpoint, fake_neuronx_cc, monkeypatch,
                                                                  tmp_path):
-    monkeypatch.setenv("FAKE_NEURONX_CC_FAIL", "1")
+    monkeypatch.setenv("FAKE_NEURONX_CC_FAIL", "1")  # fails inside an export of its own
     with pytest.raises(RuntimeError, match=r"neuronx-cc failed to compile graph \w+ for trn1.32xlarge \(exit code "
                                            r"70\); its log: (\S+\.log)") as info:
         NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, instance_type="trn1.32xlarge",

@@ -128,6 +128,7 @@ def test_bf16_logits_within_tolerance_teacher_forced(bf16_llama, left_padded_bat
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", BF16_BLOCK_KINDS)
 def test_bf16_logits_of_every_block_kind_within_tolerance(model_type, tiny_checkpoint, reference_model, left_padded_batch):
+    # its own export: bfloat16 (the shared exports are float32)
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, batch_size=2,
                                                    sequence_length=32, context_buckets=[16], token_buckets=[32],
                                                    auto_cast_type="bf16")
