@@ -148,12 +148,13 @@ def seed_compile_cache(cache_dir, checkpoint, model):
     stored as an export stores them, so that cache tests start from a filled cache without compiling."""
     import json
 
+    from optimum_neuronx.artifacts import WEIGHTS_NAME
     from optimum_neuronx.cache import CompileCache
     from optimum_neuronx.exporters.export import prepare
 
     meta = json.loads((model.artifact_dir / "neuron_config.json").read_text())
     key = prepare(str(checkpoint), model.neuron_config, load_weights=False).cache_key()
-    graph_files = tuple(name for name in meta["files"] if name != "neuronx_weights.safetensors")
+    graph_files = tuple(name for name in meta["files"] if name != WEIGHTS_NAME)
     CompileCache(cache_dir).store(key, model.artifact_dir, graph_files, meta["compile_time_s"])
     return cache_dir
 

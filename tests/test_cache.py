@@ -16,14 +16,14 @@ from optimum_neuronx.cache import CompileCache
 from optimum_neuronx.backends.workers import COMPILE_WORKERS_ENV
 from optimum_neuronx.exporters import export as export_module
 
-SMALL = dict(batch_size=1, sequence_length=32, context_buckets=[16], token_buckets=[32])
 OPTIMUM_CLI = str(Path(sys.executable).parent / "optimum-cli")
 PROMPT = torch.tensor([[7, 8, 9, 10]])
 
 
-def _export(checkpoint, cache_dir, **overrides):
+def _export(checkpoint, cache_dir):
+    """A qwen2 checkpoint exported with the session's shapes (TINY_EXPORT) through the compile cache at `cache_dir`."""
     return NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, compile_cache_dir=cache_dir,
-                                                  **{**SMALL, **overrides})
+                                                  **tiny_export("qwen2"))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_second_export_is_a_cache_hit_and_compiles_nothing(filled_cache, tiny_ch
 
     monkeypatch.setattr(export_module.get_backend("inductor"), "compile", refuse)
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
-        model = _export(tiny_checkpoint("qwen2"), cache_dir, **tiny_export("qwen2"))
+        model = _export(tiny_checkpoint("qwen2"), cache_dir)
     assert "Compile cache hit" in caplog.text and "nothing to compile" in caplog.text
     assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False), tokens)
 
@@ -66,7 +66,7 @@ def test_a_fine_tune_reuses_the_base_models_graphs(filled_cache, tiny_checkpoint
 
     monkeypatch.setattr(export_module.get_backend("inductor"), "compile", refuse)
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
-        model = _export(tmp_path / "fine-tune", cache_dir, **tiny_export("qwen2"))
+        model = _export(tmp_path / "fine-tune", cache_dir)
     assert "Compile cache hit" in caplog.text
     assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False), expected)
     for entry, _ in CompileCache(cache_dir).entries():  # graphs only: no weights in the cache
@@ -99,7 +99,7 @@ def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, compiled_mod
     # This export compiles the graphs one after the other in this process: both must generate the same C++.
     monkeypatch.setenv(COMPILE_WORKERS_ENV, "1")
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
-        again = _export(tiny_checkpoint("qwen2"), tmp_path, **tiny_export("qwen2"))
+        again = _export(tiny_checkpoint("qwen2"), tmp_path)
     assert "is corrupted (model.pt2 does not match its sha256): evicted, recompiling" in caplog.text
     assert "Compile cache miss" in caplog.text and "Stored the compiled graphs in the compile cache" in caplog.text
     expected = model.generate(PROMPT, max_new_tokens=10, do_sample=False)

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.cache import ENTRY_META, CompileCache
@@ -22,7 +21,6 @@ from optimum_neuronx.exporters.export import prepare
 from optimum_neuronx.trust import provenance_dir
 
 SMALL = dict(batch_size=1, sequence_length=32, context_buckets=(16,), token_buckets=(32,))
-PROMPT = torch.tensor([[7, 8, 9, 10]])
 
 
 def _mode(path: Path) -> int:

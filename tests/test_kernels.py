@@ -58,7 +58,8 @@ def _inputs(dtype):
 
 
 def _runs_here(isa, dtype):
-    return all(cpu_has(feature) for feature in DOT_ISA[isa][dtype]) and BACKEND.has_dot_kernel(dtype)
+    return dtype in DOT_ISA[isa] and all(cpu_has(feature) for feature in DOT_ISA[isa][dtype]) \
+        and BACKEND.has_dot_kernel(dtype)
 
 
 PIECES = 4096
@@ -66,11 +67,7 @@ CHUNK_BYTES = 1
 VARIANTS = [(isa, dtype, pieces) for pieces in (-1, PIECES) for isa in DOT_ISA for dtype in DOT_ISA[isa]]
 
 
-def _make(dtype):
-    return _Projections(dtype), _inputs(dtype)
-
-
-kernel_packages.register("rows_matvec", lambda isa, dtype: dtype in DOT_ISA[isa] and _runs_here(isa, dtype), _make)
+kernel_packages.register("rows_matvec", _runs_here, lambda dtype: (_Projections(dtype), _inputs(dtype)))
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[

@@ -187,7 +187,7 @@ def smollm2_bf16_pair(smollm2_checkpoint):
 
 
 def _perplexity(model, ids):
-    """exp(mean negative log-likelihood) of ids[1:] given what precedes them, from the compiled graphs' logits."""
+    """exp(mean negative log-likelihood) of ids[1:] given what precedes them, from the model's logits."""
     with torch.no_grad():
         logits = model(ids[:, :-1], logits_to_keep=0).logits.float()  # ours: one context pass, the rest decode steps
     return torch.nn.functional.cross_entropy(logits[0], ids[0, 1:]).exp().item()
