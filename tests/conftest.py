@@ -11,6 +11,10 @@ _DEVICES = "--xla_force_host_platform_device_count"
 if _DEVICES not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}=4".strip()
 
+# A worker per graph, not per core: a graph's compile is mostly one thread (tracing, then g++ on its wrapper), so the
+# third graph of a tiny export on 2 cores would otherwise run alone after the first two.
+os.environ.setdefault("OPTIMUM_NEURONX_COMPILE_WORKERS", "8")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -235,6 +239,34 @@ def isolated_compile_cache(tmp_path_factory):
             os.environ.pop(name)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_exports_ahead(request, isolated_compile_cache, tmp_path_factory):
+    """Compile the slow tests' exports ahead of them in the session's compile cache, on idle CPU time
+    (session_exports.py). Only where the run selects slow tests; OPTIMUM_NEURONX_TEST_AHEAD=0 turns it off."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    items = request.session.items
+    modules = sorted({item.path.name for item in items if item.get_closest_marker("slow")})
+    if not modules or os.environ.get("OPTIMUM_NEURONX_TEST_AHEAD", "1") == "0":
+        yield None
+        return
+    log = tmp_path_factory.mktemp("session-exports") / "exports.log"
+    # A process group of its own (its compile workers and compilers in it) in the tests' session: with the kernel's
+    # autogroups, only processes of one session compete by nice value.
+    with open(log.with_suffix(".err"), "w") as errors:
+        process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("session_exports.py")), str(log),
+                                    *modules], process_group=0, stdout=subprocess.DEVNULL, stderr=errors)
+    yield log
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask,
