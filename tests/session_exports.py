@@ -20,7 +20,6 @@ import importlib.util
 import logging
 import os
 import sys
-import tempfile
 import time
 import traceback
 
@@ -74,24 +73,26 @@ def main(log_path: str, modules: list[str]) -> None:
     from optimum_neuronx.utils.smollm2 import convert_smollm2
 
     log = logging.getLogger("session_exports")
+    # The checkpoints beside the log, in the session's pytest directory: pytest removes old ones, also when the
+    # session ends this process before it is done.
+    scratch = os.path.dirname(os.path.abspath(log_path))
     checkpoints = {}
-    with tempfile.TemporaryDirectory(prefix="session-exports-") as scratch:
-        for module, checkpoint, options in ahead_of_time_exports():
-            if module not in modules:
-                continue
-            if os.getppid() != parent:  # the test session is gone
-                return
-            start = time.perf_counter()
-            try:
-                if checkpoint not in checkpoints:
-                    directory = os.path.join(scratch, checkpoint)
-                    checkpoints[checkpoint] = (convert_smollm2(directory) if checkpoint == "smollm2"
-                                               else build_tiny_checkpoint(checkpoint, directory))
-                model = NeuronModelForCausalLM.from_pretrained(checkpoints[checkpoint], export=True, **options)
-                del model
-                log.info("exported %s %s in %.1f s", checkpoint, options, time.perf_counter() - start)
-            except Exception:  # the test that asks for it compiles it, and reports what fails
-                log.error("export of %s %s failed:\n%s", checkpoint, options, traceback.format_exc())
+    for module, checkpoint, options in ahead_of_time_exports():
+        if module not in modules:
+            continue
+        if os.getppid() != parent:  # the test session is gone
+            return
+        start = time.perf_counter()
+        try:
+            if checkpoint not in checkpoints:
+                directory = os.path.join(scratch, checkpoint)
+                checkpoints[checkpoint] = (convert_smollm2(directory) if checkpoint == "smollm2"
+                                           else build_tiny_checkpoint(checkpoint, directory))
+            model = NeuronModelForCausalLM.from_pretrained(checkpoints[checkpoint], export=True, **options)
+            del model
+            log.info("exported %s %s in %.1f s", checkpoint, options, time.perf_counter() - start)
+        except Exception:  # the test that asks for it compiles it, and reports what fails
+            log.error("export of %s %s failed:\n%s", checkpoint, options, traceback.format_exc())
 
 
 if __name__ == "__main__":
