@@ -77,6 +77,13 @@ BF16_BLOCK_KINDS = ("gpt2", "gemma3_text", "mixtral")
 TINY_EXPORT = dict(batch_size=3, sequence_length=64, context_buckets=[16], token_buckets=[32, 64])
 # Per family: phi3's LongRoPE re-encodes the sequence once it passes 32 tokens, which takes a context bucket that long.
 TINY_EXPORT_OVERRIDES = {"phi3": dict(context_buckets=[16, 64])}
+NEURON_EXPORT = dict(TINY_EXPORT, backend="neuron")
+# The bfloat16 parity exports (one per block kind, both backends): a batch of 2, one bucket of 32.
+BF16_EXPORT = dict(batch_size=2, sequence_length=32, context_buckets=[16], token_buckets=[32], auto_cast_type="bf16")
+# The real SmolLM2: float32 (smollm2_compiled, test_cli.py's CLI export, the neuron backend's), and int8 in bfloat16.
+SMOLLM2_EXPORT = dict(batch_size=2, sequence_length=128, context_buckets=[64], token_buckets=[128])
+SMOLLM2_INT8_EXPORT = dict(batch_size=2, sequence_length=256, context_buckets=[256], token_buckets=[256],
+                           auto_cast_type="bf16", quantization="int8")
 
 
 def tiny_export(model_type: str, **overrides) -> dict:
@@ -142,9 +149,7 @@ def smollm2_tokenizer(smollm2_checkpoint):
 @pytest.fixture(scope="session")
 def smollm2_compiled(smollm2_checkpoint):
     # Same shapes as test_cli.py's SmolLM2 export: one compile per session, the other a compile-cache hit.
-    return NeuronModelForCausalLM.from_pretrained(
-        smollm2_checkpoint, export=True, batch_size=2, sequence_length=128, context_buckets=[64],
-        token_buckets=[128])
+    return NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, export=True, **SMOLLM2_EXPORT)
 
 
 def seed_compile_cache(cache_dir, checkpoint, model):

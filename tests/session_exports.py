@@ -26,34 +26,31 @@ import traceback
 
 def ahead_of_time_exports() -> list[tuple[str, str, dict]]:
     """(test module, checkpoint: a TINY_CONFIGS family or "smollm2", export options), in the order the tests ask."""
-    from conftest import ARCHITECTURES, BF16_BLOCK_KINDS, TINY_EXPORT, tiny_export
+    from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, BF16_EXPORT, NEURON_EXPORT, SMOLLM2_EXPORT,
+                          SMOLLM2_INT8_EXPORT, tiny_export)
 
     foreground_first = ("llama", "qwen2", "qwen3")
-    bf16_small = dict(batch_size=2, sequence_length=32, context_buckets=[16], token_buckets=[32], auto_cast_type="bf16")
-    neuron = dict(TINY_EXPORT, backend="neuron")
     inductor = [("test_parity.py", family, tiny_export(family)) for family in ARCHITECTURES
                 if family not in foreground_first]
-    inductor += [("test_parity.py", family, bf16_small) for family in BF16_BLOCK_KINDS]
+    inductor += [("test_parity.py", family, BF16_EXPORT) for family in BF16_BLOCK_KINDS]
     inductor += [
         ("test_quantization.py", "llama", dict(tiny_export("llama"), quantization="int8", backend="inductor")),
-        ("test_quantization.py", "smollm2", dict(batch_size=2, sequence_length=256, context_buckets=[256],
-                                                 token_buckets=[256], auto_cast_type="bf16", quantization="int8")),
+        ("test_quantization.py", "smollm2", SMOLLM2_INT8_EXPORT),
         ("test_sampling.py", "llama", dict(tiny_export("llama"), on_device_sampling=True)),
         ("test_speculation.py", "llama", dict(tiny_export("llama", batch_size=1), speculation_length=3)),
     ]
     # test_neuron_backend.py and the [neuron] cases of the others run last (they start a PJRT client)
-    neuron_exports = [("test_neuron_backend.py", "llama", dict(neuron, num_cores=tp)) for tp in (1, 2, 4)]
+    neuron_exports = [("test_neuron_backend.py", "llama", dict(NEURON_EXPORT, num_cores=tp)) for tp in (1, 2, 4)]
     neuron_exports += [("test_neuron_backend.py", family, dict(tiny_export(family, backend="neuron"), num_cores=1))
                        for family in ARCHITECTURES if family != "llama"]
     neuron_exports += [("test_neuron_backend.py", family, dict(tiny_export(family, backend="neuron"), num_cores=2))
                        for family in ("gpt2", "mixtral")]
-    neuron_exports += [("test_neuron_backend.py", family, dict(neuron, num_cores=2)) for family in ("mistral", "qwen2")]
+    neuron_exports += [("test_neuron_backend.py", family, dict(NEURON_EXPORT, num_cores=2)) for family in ("mistral", "qwen2")]
     neuron_exports += [
-        ("test_neuron_backend.py", "llama", dict(neuron, batch_size=1, num_cores=2, speculation_length=3)),
-        ("test_neuron_backend.py", "llama", dict(neuron, auto_cast_type="bf16")),
-        *[("test_neuron_backend.py", family, dict(bf16_small, backend="neuron")) for family in BF16_BLOCK_KINDS],
-        ("test_neuron_backend.py", "smollm2", dict(backend="neuron", batch_size=2, sequence_length=128,
-                                                   context_buckets=[64], token_buckets=[128])),
+        ("test_neuron_backend.py", "llama", dict(NEURON_EXPORT, batch_size=1, num_cores=2, speculation_length=3)),
+        ("test_neuron_backend.py", "llama", dict(NEURON_EXPORT, auto_cast_type="bf16")),
+        *[("test_neuron_backend.py", family, dict(BF16_EXPORT, backend="neuron")) for family in BF16_BLOCK_KINDS],
+        ("test_neuron_backend.py", "smollm2", dict(SMOLLM2_EXPORT, backend="neuron")),
         ("test_quantization.py", "llama", dict(tiny_export("llama"), quantization="int8", backend="neuron")),
         ("test_sampling.py", "llama", dict(tiny_export("llama"), backend="neuron", on_device_sampling=True)),
     ]
@@ -88,8 +85,7 @@ def main(log_path: str, modules: list[str]) -> None:
                 directory = os.path.join(scratch, checkpoint)
                 checkpoints[checkpoint] = (convert_smollm2(directory) if checkpoint == "smollm2"
                                            else build_tiny_checkpoint(checkpoint, directory))
-            model = NeuronModelForCausalLM.from_pretrained(checkpoints[checkpoint], export=True, **options)
-            del model
+            NeuronModelForCausalLM.from_pretrained(checkpoints[checkpoint], export=True, **options)
             log.info("exported %s %s in %.1f s", checkpoint, options, time.perf_counter() - start)
         except Exception:  # the test that asks for it compiles it, and reports what fails
             log.error("export of %s %s failed:\n%s", checkpoint, options, traceback.format_exc())

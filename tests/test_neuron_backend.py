@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, SLIDING_WINDOW_FAMILIES, TINY_EXPORT,
-                      assert_bf16_logits_within_tolerance, left_padded_prompts, tiny_export)
+from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, BF16_EXPORT, NEURON_EXPORT, SLIDING_WINDOW_FAMILIES,
+                      SMOLLM2_EXPORT, assert_bf16_logits_within_tolerance, left_padded_prompts, tiny_export)
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.modeling.decoder import StaticDecoder
 from optimum_neuronx.verification import compare_generation
@@ -28,7 +28,6 @@ from optimum_neuronx.backends.neuron import backend as neuron  # noqa: E402
 from optimum_neuronx.backends.neuron import neuronx_cc, pjrt  # noqa: E402
 
 pytestmark = pytest.mark.pjrt  # every test here may start the PJRT client
-NEURON_EXPORT = dict(TINY_EXPORT, backend="neuron")
 
 
 def refuse(*args, **kwargs):
@@ -224,8 +223,7 @@ def test_bf16_export_is_within_bf16_noise(tiny_checkpoint, reference_model):
 def test_bf16_logits_of_every_block_kind_within_bf16_noise(model_type, tiny_checkpoint, reference_model):
     # its own export: bfloat16
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, backend="neuron",
-                                                   batch_size=2, sequence_length=32, context_buckets=[16],
-                                                   token_buckets=[32], auto_cast_type="bf16")
+                                                   **BF16_EXPORT)
     input_ids, attention_mask = left_padded_prompts([14, 9], seed=5)
     assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask,
                                         model_type)
@@ -254,8 +252,8 @@ def test_pipeline_on_smollm2_matches_eager(smollm2_checkpoint):
 
     from optimum_neuronx import pipeline
 
-    model = NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, export=True, backend="neuron", batch_size=2,
-                                                   sequence_length=128, context_buckets=[64], token_buckets=[128])
+    model = NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, export=True, backend="neuron",
+                                                   **SMOLLM2_EXPORT)
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_checkpoint)
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
     eager = transformers.pipeline("text-generation", model=str(smollm2_checkpoint))

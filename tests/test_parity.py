@@ -8,8 +8,8 @@ import weakref
 import pytest
 import torch
 
-from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, assert_bf16_logits_within_tolerance, build_tiny_checkpoint,
-                      left_padded_prompts, tune)
+from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, BF16_EXPORT, assert_bf16_logits_within_tolerance,
+                      build_tiny_checkpoint, left_padded_prompts, tune)
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
 
@@ -90,8 +90,7 @@ def bf16_llama(tmp_path_factory):
                                        num_attention_heads=6, num_key_value_heads=2)
     with pytest.MonkeyPatch.context() as patch:
         tune(patch, weight_tile={})
-        model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, batch_size=2, sequence_length=32,
-                                                       context_buckets=[16], token_buckets=[32], auto_cast_type="bf16")
+        model = NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, **BF16_EXPORT)
     return model, checkpoint, AutoModelForCausalLM.from_pretrained(checkpoint).eval()
 
 
@@ -129,9 +128,7 @@ def test_bf16_logits_within_tolerance_teacher_forced(bf16_llama, left_padded_bat
 @pytest.mark.parametrize("model_type", BF16_BLOCK_KINDS)
 def test_bf16_logits_of_every_block_kind_within_tolerance(model_type, tiny_checkpoint, reference_model, left_padded_batch):
     # its own export: bfloat16 (the shared exports are float32)
-    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, batch_size=2,
-                                                   sequence_length=32, context_buckets=[16], token_buckets=[32],
-                                                   auto_cast_type="bf16")
+    model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, **BF16_EXPORT)
     if model_type == "gpt2":
         # As many KV heads as query heads (gpt2, Llama-2, Phi-3-mini): AOTInductor's layer loop crashed the process at
         # the first bfloat16 decode step; the inductor backend unrolls such models' layers.

@@ -15,7 +15,7 @@ from optimum_neuronx.configuration import NeuronConfig
 from optimum_neuronx.modeling.quantization import dequantize, quantize_int8, quantize_weights
 
 import kernel_packages
-from conftest import left_padded_prompts, tiny_export
+from conftest import SMOLLM2_INT8_EXPORT, left_padded_prompts, tiny_export
 
 BACKEND = get_backend("inductor")
 # (rows, in, out): lines plus a tail, a tail only, one line, long rows, one output, outputs the 2 threads split unevenly
@@ -180,9 +180,7 @@ def smollm2_bf16_pair(smollm2_checkpoint):
     from transformers import AutoModelForCausalLM
 
     eager = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.bfloat16).eval()
-    int8 = NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, export=True, batch_size=2, sequence_length=256,
-                                                  context_buckets=[256], token_buckets=[256], auto_cast_type="bf16",
-                                                  quantization="int8")
+    int8 = NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, export=True, **SMOLLM2_INT8_EXPORT)
     return eager, int8
 
 
