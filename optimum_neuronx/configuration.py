@@ -128,13 +128,18 @@ def normalize_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
 class GraphSpec:
     """One compiled graph: `tokens` new tokens per sequence attending to `window` cache slots."""
 
-    kind: str  # "context" (prefill), "token" (decode) or "verify" (speculation: drafted tokens scored together)
+    kind: str  # "context" (prefill), "token" (decode), "verify" (speculation) or "prefill" (one row, chunked)
     tokens: int
     window: int
 
     @property
     def name(self) -> str:
-        return f"{self.kind}_{self.window}"
+        # prefill graphs all span the whole cache: they differ in their tokens
+        return f"{self.kind}_{self.tokens if self.kind == 'prefill' else self.window}"
+
+    def rows(self, batch_size: int) -> int:
+        """The rows the graph runs, in an export of `batch_size`: a prefill graph encodes one row of the cache."""
+        return 1 if self.kind == "prefill" else batch_size
 
     def samples(self, on_device_sampling: bool) -> bool:
         """Whether this graph picks tokens too, in an export with `on_device_sampling` (verification graphs never)."""
@@ -180,6 +185,10 @@ class NeuronConfig:
     # The context and token graphs also pick the next token (greedy, temperature, top-k, top-p: modeling/sampling.py)
     # and generate uses those tokens where the request asks for nothing more (optimum-neuron's name).
     on_device_sampling: bool = False
+    # Rows served independently (optimum-neuron's name): each context bucket becomes a prefill graph that encodes
+    # one row of the cache, in chunks from any slot (a prompt longer than the largest bucket too), and the token
+    # graphs write each row at its own position, so requests join and leave the batch at any step (engine.py).
+    continuous_batching: bool = False
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -220,6 +229,8 @@ class NeuronConfig:
                 raise ValueError(f"speculation_length={self.speculation_length} leaves no room in sequence_length="
                                  f"{seq}: a verification pass takes speculation_length + 1 tokens. Use "
                                  f"speculation_length <= {max(seq - 2, 0)}.")
+        if not isinstance(self.continuous_batching, bool):
+            raise ValueError(f"continuous_batching must be True or False, got {self.continuous_batching!r}.")
         if not isinstance(self.on_device_sampling, bool):
             raise ValueError(f"on_device_sampling must be True or False, got {self.on_device_sampling!r}.")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -258,9 +269,11 @@ class NeuronConfig:
         return TORCH_DTYPES[self.auto_cast_type]
 
     def graphs(self) -> list[GraphSpec]:
-        """Every graph of an export: one context-encoding graph per context bucket, one token graph per token bucket,
+        """Every graph of an export: one context-encoding graph per context bucket (a one-row prefill graph with
+        continuous_batching), one token graph per token bucket,
         and with speculation_length one verification graph per token bucket wider than a verification pass."""
-        contexts = [GraphSpec("context", size, size) for size in self.context_buckets]
+        contexts = [GraphSpec("prefill", size, self.sequence_length) if self.continuous_batching
+                    else GraphSpec("context", size, size) for size in self.context_buckets]
         tokens = [GraphSpec("token", 1, size) for size in self.token_buckets]
         width = self.speculation_length + 1  # a verification pass: the last accepted token and the drafted ones
         verify = [GraphSpec("verify", width, size) for size in self.token_buckets if size > width] \

@@ -45,8 +45,10 @@ class DecodeStepInputs:
     def __init__(self, batch_size: int):
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long)
         self.positions = torch.zeros(batch_size, 1, dtype=torch.long)
-        self.slot = torch.zeros(1, dtype=torch.long)
+        self.slot = torch.zeros(batch_size, dtype=torch.long)  # each row's write slot (cache_start)
         self.last = torch.zeros(batch_size, dtype=torch.long)  # logits of the only (last) position
+        self.batch = torch.zeros(batch_size, dtype=torch.long)  # seq_ids of a static batch: one group
+        self.slots = torch.arange(batch_size)  # seq_ids of slots: each row on its own
 
 
 class CacheHandle:

@@ -27,14 +27,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .artifacts import (WEIGHTS_NAME, ArtifactError, atomic_directory, compiled_code_problem, copy_artifact_files,
                         export_identity, read_artifact, verified_copy, weights_source)
 from .backends import get_backend
-from .buckets import context_bucket, token_bucket
+from .buckets import context_bucket
 from .cache import CompileCache
 from .configuration import GraphSpec, NeuronConfig, canonical_dtype
 from .exporters.registry import get_export_config, load_model_config
 from .memory import check_fits_host_memory
-from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
+from .engine import Engine
+from .kv_cache import CacheHandle
 from .modeling.decoder import StaticDecoder
-from .modeling.sampling import MAX_TOP_K, SAMPLING_FIELDS
+from .modeling.sampling import MAX_TOP_K
 from .tempdirs import temporary_directory
 from .weights_io import load_weights
 
@@ -87,6 +88,7 @@ NEURON_KWARGS = {
     "speculation_length": "speculation_length",
     "quantization": "quantization",
     "on_device_sampling": "on_device_sampling",
+    "continuous_batching": "continuous_batching",
 }
 
 
@@ -120,12 +122,8 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         self._rope_long_after = spec.rope_long_after  # LongRoPE: the sequence is re-encoded when it passes this
         shape = spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length)
         kv = get_backend(neuron_config.backend).new_kv_cache(graphs, shape, neuron_config.torch_dtype)
-        self._cache = StaticKVCache(spec, neuron_config.batch_size, neuron_config.sequence_length,
-                                    neuron_config.torch_dtype, kv)
+        self._engine = Engine(graphs, neuron_config, spec, kv)  # the cache and every graph call
         self._check_graph_inputs(tuple(kv.shape))
-        self._handle: Optional[CacheHandle] = None
-        self._step = DecodeStepInputs(neuron_config.batch_size)
-        self._sampler = None  # (top_k, top_p, temperature) while a generate is served by on-device sampling
         # One generate (or forward) at a time: calls share the KV cache, and an AOTInductor runner keeps the GIL
         # while it waits for a graph another thread is running, which would deadlock the process.
         self._lock = threading.RLock()
@@ -442,7 +440,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has "
                                  f"{tuple(input_ids.shape)}: pass the mask the tokenizer returned with the ids.")
             self._check_speculation(input_ids.shape[0], config, kwargs)
-            continuing = any(kwargs.get(name) is self._handle is not None for name in ("cache", "past_key_values"))
+            continuing = any(kwargs.get(name) is self._engine.handle is not None for name in ("cache", "past_key_values"))
             fitted = self._fit_generation_length(input_ids.shape, config, truncate_to_sequence_length, continuing)
             if fitted is not None:
                 kwargs["max_new_tokens"] = fitted
@@ -455,11 +453,11 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         if sampler is not None:  # generate searches greedily over the logits _picked returns (warpers at defaults)
             kwargs.update(do_sample=False, temperature=1.0, top_k=50, top_p=1.0)
         with self._lock, self._drafting(kwargs.get("assistant_model")):
-            self._generating.active, self._sampler = True, sampler
+            self._generating.active, self._engine.sampler = True, sampler
             try:
                 return super().generate(inputs, generation_config=generation_config, **kwargs)
             finally:
-                self._generating.active, self._sampler = False, None
+                self._generating.active, self._engine.sampler = False, None
 
     def _on_device_request(self, config: GenerationConfig, kwargs: dict, asked: Optional[bool]):
         """(top_k, top_p, temperature) for the sampling graphs when this request asks only for what they do (greedy
@@ -565,7 +563,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         rows = batch * (beams if beams > 1 else (config.num_return_sequences or 1))
         self._check_batch(rows, f"batch of {batch} prompts x {max(beams, config.num_return_sequences or 1)} "
                                 f"beams/sequences")
-        if not continuing:
+        if not continuing and not nc.continuous_batching:  # (continuous batching encodes long prompts in chunks)
             context_bucket(prompt, nc.context_buckets)  # raises if the prompt does not fit any bucket
         new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
         if prompt + new_tokens <= nc.sequence_length:
@@ -626,9 +624,10 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         served_elsewhere = [k for k in ("position_ids", "seq_ids", "sampling_params") if kwargs.get(k) is not None]
         if served_elsewhere:
             raise ValueError(f"forward({', '.join(f'{k}=...' for k in served_elsewhere)}): optimum-neuron's vLLM "
-                             f"runner call is not served by this model: positions come from attention_mask (left or "
-                             f"right padding), every row shares this model's KV cache (no per-sequence slots) and "
-                             f"sampling runs in generate. Pass input_ids and attention_mask, or call generate.")
+                             f"runner call is not served by forward: positions come from attention_mask (left or "
+                             f"right padding) and sampling runs in generate. Pass input_ids and attention_mask, or "
+                             f"call generate; requests in per-sequence slots are served by `optimum-cli neuron serve` "
+                             f"(an export with continuous_batching=True; optimum_neuronx.scheduler in Python).")
         past_key_values = cache if cache is not None else past_key_values
         self._check_input_ids(input_ids)
         self._check_batch(input_ids.shape[0], f"batch of {input_ids.shape[0]} sequences")
@@ -645,7 +644,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError(f"attention_mask row(s) {empty} mark no token as real (all zeros): those rows have "
                                  f"nothing to attend to. Drop them from the batch, or pass the mask the tokenizer "
                                  f"returned with the ids.")
-        if isinstance(past_key_values, CacheHandle) and past_key_values is not self._handle:
+        if isinstance(past_key_values, CacheHandle) and past_key_values is not self._engine.handle:
             raise ValueError("past_key_values is a cache handle this model no longer holds: a newer context replaced "
                              "its cache (or it belongs to another model). Continue with the handle returned last, or "
                              "pass past_key_values=None to start a new context.")
@@ -653,131 +652,20 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             logits = self._run(input_ids, attention_mask, past_key_values, logits_to_keep)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: self._handle if use_cache is not False else None})
+        handle = self._engine.handle if use_cache is not False else None
+        return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: handle})
 
     def _run(self, input_ids, attention_mask, past_key_values, logits_to_keep) -> torch.Tensor:
         n = input_ids.shape[1]
-        if past_key_values is not None and past_key_values is self._handle and self._handle.length > 0:
-            return self._decode(input_ids, attention_mask)
+        if past_key_values is not None and past_key_values is self._engine.handle and self._engine.handle.length > 0:
+            return self._engine.decode(input_ids, attention_mask)
         keep = n if logits_to_keep == 0 else min(logits_to_keep or 1, n)
         encoded = n - keep + 1
         mask = attention_mask[:, :encoded] if attention_mask is not None else None
-        logits = self._encode(input_ids[:, :encoded], mask)
+        logits = self._engine.encode(input_ids[:, :encoded], mask)
         if keep > 1:
-            logits = torch.cat([logits, self._decode(input_ids[:, encoded:], attention_mask)], dim=1)
+            logits = torch.cat([logits, self._engine.decode(input_ids[:, encoded:], attention_mask)], dim=1)
         return logits
-
-    def _encode(self, input_ids, attention_mask) -> torch.Tensor:
-        b, n = input_ids.shape
-        nc = self.neuron_config
-        bucket = context_bucket(n, nc.context_buckets)
-        mask = attention_mask if attention_mask is not None else torch.ones(b, n, dtype=torch.bool)
-        ids = torch.zeros(nc.batch_size, bucket, dtype=torch.long)
-        ids[:b, :n] = input_ids
-        cache = self._cache
-        cache.key_valid.zero_()
-        cache.key_valid[:b, :n] = mask
-        positions = torch.zeros(nc.batch_size, bucket, dtype=torch.long)
-        positions[:b, :n] = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        last = torch.full((nc.batch_size,), n - 1, dtype=torch.long)
-        # each row's last real token (right padding leaves padding after it: the row continues from that token)
-        last[:b] -= mask.flip(-1).to(torch.uint8).argmax(-1)
-        logits = self._picked(self._graphs[f"context_{bucket}"](
-            [ids, positions, torch.zeros(1, dtype=torch.long), cache.valid_window(bucket), last, cache.kv,
-             *self._sampling_input()]
-        ))
-        self._handle = CacheHandle(cache, n)
-        return logits[:b, None, :]
-
-    def _decode(self, input_ids, attention_mask) -> torch.Tensor:
-        """Logits [b, n, vocab] of n new tokens: several (drafted tokens, a rollback) in verification passes of up to
-        speculation_length + 1 tokens where the export has them and they fit the cache, else one decode step each."""
-        n, width = input_ids.shape[1], self.neuron_config.speculation_length + 1
-        if attention_mask is not None and attention_mask.shape[1] < self._handle.length + n:
-            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens but the cache holds "
-                             f"{self._handle.length} + {n} new ones.")
-        out, j = [], 0
-        while j < n:
-            count = min(n - j, width)
-            if count > 1 and self._handle.length + width <= self.neuron_config.sequence_length:
-                out.append(self._verify(input_ids[:, j:j + count], attention_mask))
-            else:
-                count = 1
-                out.append(self._decode_step(input_ids[:, j], attention_mask))
-            j += count
-        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
-
-    def _valid_slots(self, rows: int, attention_mask, end: int) -> torch.Tensor:
-        """key_valid's slots up to `end` of the first `rows` rows, from the mask (None: every slot real)."""
-        valid = self._cache.key_valid[:rows, :end]
-        if attention_mask is not None:
-            valid.copy_(attention_mask[:, :end])
-        else:
-            valid.fill_(True)
-        return valid
-
-    def _verify(self, input_ids, attention_mask) -> torch.Tensor:
-        """n <= speculation_length + 1 new tokens scored in one pass of a verification graph (their K/V written at
-        the next slots; the padding after them is written too, at slots left invalid). Logits [b, n, vocab]."""
-        b, n = input_ids.shape
-        nc, cache, handle = self.neuron_config, self._cache, self._handle
-        slot, width = handle.length, nc.speculation_length + 1
-        window = token_bucket(slot + width - 1, nc.token_buckets)
-        self._valid_slots(b, attention_mask, slot + n)
-        cache.key_valid[:, slot + n: slot + width] = False
-        cache.key_valid[b:, : slot + width] = False
-        ids = torch.zeros(nc.batch_size, width, dtype=torch.long)
-        ids[:b, :n] = input_ids
-        # Fresh tensors, not slices: a one-row slice keeps the whole row's stride, which the graphs' checks refuse.
-        positions = torch.empty(nc.batch_size, width, dtype=torch.long)
-        positions.copy_((cache.key_valid[:, : slot + width].long().cumsum(-1) - 1).clamp(min=0)[:, slot:])
-        last = torch.arange(width).repeat(nc.batch_size, 1)
-        logits = self._graphs[f"verify_{window}"](
-            [ids, positions, torch.tensor([slot]), cache.valid_window(window), last, cache.kv]
-        )
-        handle.length = slot + n
-        return logits[:b, :n]
-
-    def _decode_step(self, token_ids, attention_mask) -> torch.Tensor:
-        """One token per row (token_ids [b]) through a token graph. Logits [b, 1, vocab]."""
-        b = token_ids.shape[0]
-        nc, cache, handle, step = self.neuron_config, self._cache, self._handle, self._step
-        slot = handle.length
-        window = token_bucket(slot, nc.token_buckets)
-        valid = self._valid_slots(b, attention_mask, slot + 1)
-        # The small inputs are refilled in place, not allocated per step (the key mask's window is still copied
-        # out contiguous below). Rows past b are never read back.
-        step.ids[:b, 0] = token_ids
-        torch.sum(valid, dim=-1, out=step.positions[:b, 0])
-        step.positions[:b].sub_(1).clamp_(min=0)
-        step.slot.fill_(slot)
-        logits = self._picked(self._graphs[f"token_{window}"](
-            [step.ids, step.positions, step.slot, cache.valid_window(window), step.last, cache.kv,
-             *self._sampling_input()]
-        ))
-        handle.length = slot + 1
-        return logits[:b, None]
-
-    def _sampling_input(self) -> tuple:
-        """The sampling graphs' last input, [batch, 4] (modeling/sampling.py): this generate's request with a fresh
-        uniform draw per row from torch's generator, or greedy; () where the graphs do not sample."""
-        if not self.neuron_config.on_device_sampling:
-            return ()
-        rows = self.neuron_config.batch_size
-        if self._sampler is None:
-            return (torch.zeros(rows, len(SAMPLING_FIELDS)),)
-        return (torch.cat([torch.tensor(self._sampler).expand(rows, 3), torch.rand(rows, 1)], dim=1),)
-
-    def _picked(self, outputs) -> torch.Tensor:
-        """A graph's logits; during a generate served by on-device sampling, logits that put every row's picked
-        token first (0, every other token the float32 minimum): generate's greedy search then takes that token."""
-        if not isinstance(outputs, tuple):
-            return outputs
-        logits, tokens = outputs
-        if self._sampler is None:
-            return logits
-        picked = torch.full(logits.shape, torch.finfo(torch.float32).min)
-        return picked.scatter_(1, tokens.long()[:, None], 0.0)
 
 
 # GenerationConfig fields that add a logits processor or ask for the logits themselves: what the sampling graphs do not.

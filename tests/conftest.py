@@ -72,16 +72,22 @@ ARCHITECTURES = tuple(TINY_CONFIGS)
 # The other families are the Llama block with other scalars, RoPE or flags: their fp32 parity covers them.
 BF16_BLOCK_KINDS = ("gpt2", "gemma3_text", "mixtral")
 
-# Compiled shapes shared by the parity tests: a batch of 3, one context bucket, two token buckets
-# so that a 40+ token generation crosses the 32 -> 64 boundary.
-TINY_EXPORT = dict(batch_size=3, sequence_length=64, context_buckets=[16], token_buckets=[32, 64])
+# Compiled shapes shared by the parity and engine tests: a batch of 3, one context bucket (a one-row prefill graph:
+# continuous batching), two token buckets so that a 40+ token generation crosses the 32 -> 64 boundary.
+TINY_EXPORT = dict(batch_size=3, sequence_length=64, context_buckets=[16], token_buckets=[32, 64],
+                   continuous_batching=True)
 # Per family: phi3's LongRoPE re-encodes the sequence once it passes 32 tokens, which takes a context bucket that long.
-TINY_EXPORT_OVERRIDES = {"phi3": dict(context_buckets=[16, 64])}
+# Its static batches keep the context graphs: LongRoPE switches a whole batch at once (as Transformers), which a
+# one-row prefill graph cannot (its engine test exports with continuous batching).
+TINY_EXPORT_OVERRIDES = {"phi3": dict(context_buckets=[16, 64], continuous_batching=False)}
 NEURON_EXPORT = dict(TINY_EXPORT, backend="neuron")
 # The bfloat16 parity exports (one per block kind, both backends): a batch of 2, one bucket of 32.
 BF16_EXPORT = dict(batch_size=2, sequence_length=32, context_buckets=[16], token_buckets=[32], auto_cast_type="bf16")
 # The real SmolLM2: float32 (smollm2_compiled, test_cli.py's CLI export, the neuron backend's), and int8 in bfloat16.
 SMOLLM2_EXPORT = dict(batch_size=2, sequence_length=128, context_buckets=[64], token_buckets=[128])
+# The serving tests' export (test_serve.py): 4 slots, prompts past 16 tokens prefilled in chunks.
+SERVE_EXPORT = dict(batch_size=4, sequence_length=64, context_buckets=[16], token_buckets=[32, 64],
+                    continuous_batching=True)
 SMOLLM2_INT8_EXPORT = dict(batch_size=2, sequence_length=256, context_buckets=[256], token_buckets=[256],
                            auto_cast_type="bf16", quantization="int8")
 
@@ -150,6 +156,38 @@ def smollm2_tokenizer(smollm2_checkpoint):
 def smollm2_compiled(smollm2_checkpoint):
     # Same shapes as test_cli.py's SmolLM2 export: one compile per session, the other a compile-cache hit.
     return NeuronModelForCausalLM.from_pretrained(smollm2_checkpoint, export=True, **SMOLLM2_EXPORT)
+
+
+# Staggered requests for the engine checks: (prompt length, max_tokens, the scheduler step it arrives at). Five
+# requests on three slots; 23 and 35 tokens take two and three prefill chunks of 16; on phi3 the 23-token prompt
+# passes LongRoPE's switch at 32 while decoding and 35 starts past it.
+STAGGERED_REQUESTS = ((5, 8, 0), (23, 12, 0), (9, 5, 2), (35, 10, 3), (3, 7, 6))
+
+
+def assert_staggered_requests_match_generate_alone(model, seed: int = 3):
+    """Requests arriving at different steps, more than the slots, served by the scheduler over `model`'s engine
+    (continuous batching): each request's greedy tokens equal `generate` on its prompt alone."""
+    from optimum_neuronx.scheduler import Request, Scheduler
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n, _, _ in STAGGERED_REQUESTS]
+    eos = model.generation_config.eos_token_id
+    expected = []
+    for prompt, (_, max_tokens, _) in zip(prompts, STAGGERED_REQUESTS):
+        new = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)[0, len(prompt):]
+        expected.append(new.tolist()[:new.tolist().index(eos)] if eos in new.tolist() else new.tolist())
+    scheduler = Scheduler(model._engine, max_waiting=len(prompts))
+    got, step, arrived = {}, 0, 0
+    while arrived < len(prompts) or len(scheduler):
+        while arrived < len(prompts) and STAGGERED_REQUESTS[arrived][2] <= step:
+            scheduler.add(Request(prompts[arrived], STAGGERED_REQUESTS[arrived][1], request_id=str(arrived),
+                                  stop_token_ids=(eos,)))
+            got[str(arrived)] = []
+            arrived += 1
+        for output in scheduler.step():
+            got[output.request_id] += output.token_ids
+        step += 1
+    assert [got[str(i)] for i in range(len(prompts))] == expected
 
 
 def seed_compile_cache(cache_dir, checkpoint, model):

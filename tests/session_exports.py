@@ -26,23 +26,29 @@ import traceback
 
 def ahead_of_time_exports() -> list[tuple[str, str, dict]]:
     """(test module, checkpoint: a TINY_CONFIGS family or "smollm2", export options), in the order the tests ask."""
-    from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, BF16_EXPORT, NEURON_EXPORT, SMOLLM2_EXPORT,
+    from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, BF16_EXPORT, NEURON_EXPORT, SERVE_EXPORT, SMOLLM2_EXPORT,
                           SMOLLM2_INT8_EXPORT, tiny_export)
 
     foreground_first = ("llama", "qwen2", "qwen3")
     inductor = [("test_parity.py", family, tiny_export(family)) for family in ARCHITECTURES
                 if family not in foreground_first]
+    inductor += [("test_parity.py", "phi3", tiny_export("phi3", continuous_batching=True))]  # its engine test
     inductor += [("test_parity.py", family, BF16_EXPORT) for family in BF16_BLOCK_KINDS]
     inductor += [
         ("test_quantization.py", "llama", dict(tiny_export("llama"), quantization="int8", backend="inductor")),
         ("test_quantization.py", "smollm2", SMOLLM2_INT8_EXPORT),
         ("test_sampling.py", "llama", dict(tiny_export("llama"), on_device_sampling=True)),
         ("test_speculation.py", "llama", dict(tiny_export("llama", batch_size=1), speculation_length=3)),
+        # the server's export, and the checkpoint the Ray replicas export themselves (default buckets)
+        ("test_serve.py", "llama", SERVE_EXPORT),
+        ("test_serve.py", "llama", dict(batch_size=4, sequence_length=64, continuous_batching=True)),
     ]
     # test_neuron_backend.py and the [neuron] cases of the others run last (they start a PJRT client)
     neuron_exports = [("test_neuron_backend.py", "llama", dict(NEURON_EXPORT, num_cores=tp)) for tp in (1, 2, 4)]
     neuron_exports += [("test_neuron_backend.py", family, dict(tiny_export(family, backend="neuron"), num_cores=1))
                        for family in ARCHITECTURES if family != "llama"]
+    neuron_exports += [("test_neuron_backend.py", "phi3", dict(tiny_export("phi3", backend="neuron",
+                                                                            continuous_batching=True), num_cores=1))]
     neuron_exports += [("test_neuron_backend.py", family, dict(tiny_export(family, backend="neuron"), num_cores=2))
                        for family in ("gpt2", "mixtral")]
     neuron_exports += [("test_neuron_backend.py", family, dict(NEURON_EXPORT, num_cores=2)) for family in ("mistral", "qwen2")]

@@ -154,7 +154,7 @@ def test_cache_cli_list_lookup_clear(filled_cache, tiny_checkpoint):
     config_only.mkdir(exist_ok=True)
     (config_only / "config.json").write_bytes((tiny_checkpoint("qwen2") / "config.json").read_bytes())
     options = [str(config_only), "--batch_size", "3", "--sequence_length", "64", "--context_buckets", "16",
-               "--token_buckets", "32,64"]
+               "--continuous_batching", "--token_buckets", "32,64"]
     hit = run("lookup", *options)
     assert hit.returncode == 0, hit.stderr
     assert "1 cached exports of this model" in hit.stdout and "cache hit " in hit.stdout

@@ -19,7 +19,7 @@ def run(*args, timeout=600):
 
 def export_args(model, output, *extra):
     return [OPTIMUM_CLI, "export", "neuron", "--model", str(model), "--batch_size", "3", "--sequence_length", "64",
-            "--context_buckets", "16", "--token_buckets", "32,64", *extra, str(output)]
+            "--context_buckets", "16", "--token_buckets", "32,64", "--continuous_batching", *extra, str(output)]
 
 
 @pytest.fixture(scope="module")

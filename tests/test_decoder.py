@@ -196,3 +196,56 @@ def test_experts_gathered_for_few_tokens_compute_what_every_expert_mixed_does():
     every_expert = mixture_of_experts(x, weights, spec)  # 8 tokens x 2 >= 8 experts: all run
     for t in range(8):
         torch.testing.assert_close(mixture_of_experts(x[:, t:t + 1], weights, spec), every_expert[:, t:t + 1])
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, dict(sliding_window=6),
+    dict(sliding_window=10, num_hidden_layers=4,
+         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
+], ids=["full-cache", "rings", "packed-rings"])
+def test_rows_prefilled_in_chunks_then_stepped_together_match_each_row_alone(overrides):
+    # Continuous batching's graph inputs: each row's prompt written into its cache row by a one-row graph (seq_ids)
+    # in chunks of 8 from slot 0 (a chunk of 8 is wider than the 6-slot ring, the last chunk padded), then every row
+    # decoded in one call at its own cache_start. Each row's greedy tokens equal the row run alone at batch 1.
+    sequence, chunk = 32, 8
+    decoder = _decoder(sequence=sequence, **overrides)
+    vocab = decoder.spec.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=generator) for n in (5, 11, 20)]
+
+    def alone(prompt: torch.Tensor, steps: int) -> list[int]:
+        cache, n = torch.zeros(decoder.spec.kv_cache_shape(1, sequence)), len(prompt)
+        valid = torch.ones(1, sequence, dtype=torch.bool)
+        logits = decoder(prompt[None], torch.arange(n)[None], torch.tensor([0]), valid[:, :n].clone(),
+                         torch.tensor([n - 1]), cache)
+        tokens = []
+        for i in range(steps):
+            tokens.append(int(logits.argmax()))
+            logits = decoder(torch.tensor([[tokens[-1]]]), torch.tensor([[n + i]]), torch.tensor([n + i]),
+                             valid.clone(), torch.tensor([0]), cache)
+        return tokens
+
+    rows = len(prompts)
+    cache = torch.zeros(decoder.spec.kv_cache_shape(rows, sequence))
+    valid = torch.zeros(rows, sequence, dtype=torch.bool)
+    lengths, tokens = [len(p) for p in prompts], []
+    with torch.no_grad():
+        expected = [alone(p, 6) for p in prompts]
+        for row, prompt in enumerate(prompts):
+            for start in range(0, len(prompt), chunk):
+                k = min(chunk, len(prompt) - start)
+                ids = torch.zeros(1, chunk, dtype=torch.long)
+                ids[0, :k] = prompt[start:start + k]
+                valid[row, :start + k] = True
+                logits = decoder(ids, torch.arange(start, start + chunk)[None], torch.tensor([start]),
+                                 valid[row:row + 1].clone(), torch.tensor([k - 1]), cache, torch.tensor([row]))
+            tokens.append([int(logits.argmax())])
+        for _ in range(5):
+            starts = torch.tensor(lengths)
+            valid[torch.arange(rows), starts] = True
+            logits = decoder(torch.tensor([[t[-1]] for t in tokens]), starts[:, None], starts, valid.clone(),
+                             torch.zeros(rows, dtype=torch.long), cache)
+            for row in range(rows):
+                tokens[row].append(int(logits[row].argmax()))
+                lengths[row] += 1
+    assert tokens == expected

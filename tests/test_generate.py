@@ -141,7 +141,7 @@ def test_forward_rolls_back_with_crop(pair):
 def test_kv_cache_is_written_in_place(pair):
     """The graphs write the runtime's own cache tensors: same storage before and after, new slot filled."""
     model = pair[1]
-    cache = model._cache
+    cache = model._engine.cache
     pointer = cache.kv.data_ptr()
     handle = model(torch.tensor([[1, 2, 3, 4, 5]])).past_key_values
     model(torch.tensor([[6]]), past_key_values=handle)

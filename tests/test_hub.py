@@ -164,7 +164,7 @@ EXPORT_AND_PUSH_WITHOUT_WEIGHTS = """
 import sys
 from optimum_neuronx import NeuronModelForCausalLM
 m = NeuronModelForCausalLM.from_pretrained(sys.argv[1], export=True, batch_size=3, sequence_length=64,
-                                           context_buckets=[16], token_buckets=[32, 64])
+                                           context_buckets=[16], token_buckets=[32, 64], continuous_batching=True)
 m.push_to_hub(sys.argv[2], include_weights=False)
 """
 
@@ -286,7 +286,8 @@ def test_cache_create_synchronize_and_lookup_through_the_hub(hub, tiny_checkpoin
     assert not any(name.endswith(".safetensors") for name in hub.state.repos["me/shared-cache"]["files"])
 
     lookup = run("lookup", str(tiny_checkpoint("mistral")), "--batch_size", "3", "--sequence_length", "64",
-                 "--context_buckets", "16", "--token_buckets", "32,64", "--compile_cache_dir", str(tmp_path / "empty-cache"),
+                 "--context_buckets", "16", "--token_buckets", "32,64", "--continuous_batching",
+                 "--compile_cache_dir", str(tmp_path / "empty-cache"),
                  "--cache_repo", "me/shared-cache")
     assert lookup.returncode == 0, lookup.stdout + lookup.stderr[-2000:]
     assert "0 cached exports of this model in" in lookup.stdout and "1 in the Hub repo me/shared-cache" in lookup.stdout

@@ -1,5 +1,6 @@
-"""The package's imports run one way: commands / pipelines -> runtime -> exporters -> artifacts, cache, hub ->
-backends -> modeling -> configuration, with no cycles (docs/architecture.md). Function-level imports count too."""
+"""The package's imports run one way: commands / pipelines -> server -> runtime, scheduler -> engine -> exporters ->
+artifacts, cache, hub -> backends -> modeling -> configuration, with no cycles (docs/architecture.md).
+Function-level imports count too."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ LAYERS = [
     ("backends",),
     ("artifacts", "weights_io", "trust", "cache", "hub"),
     ("exporters",),
-    ("kv_cache", "runtime", "verification", "utils"),
-    ("pipelines", "commands", "__init__"),
+    ("kv_cache", "engine"),
+    ("scheduler", "runtime", "verification", "utils"),
+    ("server",),
+    ("pipelines", "commands", "serve", "__init__"),
 ]
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, BF16_EXPORT, NEURON_EXPORT, SLIDING_WINDOW_FAMILIES,
-                      SMOLLM2_EXPORT, assert_bf16_logits_within_tolerance, left_padded_prompts, tiny_export)
+                      SMOLLM2_EXPORT, assert_bf16_logits_within_tolerance, assert_staggered_requests_match_generate_alone,
+                      left_padded_prompts, tiny_export)
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.modeling.decoder import StaticDecoder
 from optimum_neuronx.verification import compare_generation
@@ -53,6 +54,7 @@ def test_greedy_generation_matches_transformers_across_buckets(neuron_model, ref
     result = _compare(neuron_model(tp), reference_model("llama"))
     print(f"tp_degree={tp}: {result.summary()}")
     assert result.tokens_match and result.max_logit_diff < 1e-4
+    assert_staggered_requests_match_generate_alone(neuron_model(tp))  # the same graphs through the engine
 
 
 # Every family in float32 on one device; compiled on two devices for an MHA family (gpt2) and a MoE one (mixtral),
@@ -72,6 +74,11 @@ def test_every_architecture_matches_transformers(tiny_checkpoint, reference_mode
                 if a["name"].endswith(".weight")}
         # every expert cut across the devices ([layers, experts, 2 I, H] by 2 I, [layers, experts, H, I] by I)
         assert (axes["experts_gate_up"], axes["experts_down"], axes["router"]) == (2, 3, None)
+    if model_type == "phi3":  # its family export keeps context graphs (LongRoPE switches a static batch together)
+        model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, num_cores=tp,
+                                                       **tiny_export(model_type, backend="neuron",
+                                                                     continuous_batching=True))
+    assert_staggered_requests_match_generate_alone(model)  # requests joining and leaving the batch
 
 
 # The sliding-window families at tp 1 above; here their windows over sharded caches
@@ -159,7 +166,7 @@ def test_the_kv_cache_stays_on_the_device(neuron_model, monkeypatch):
     model = neuron_model(2)
     input_ids, _ = left_padded_prompts([6], seed=4)
     out = model(input_ids=input_ids)
-    cache = model._cache.kv
+    cache = model._engine.cache.kv
     assert isinstance(cache, neuron.DeviceKVCache)
     before = cache.buffer
     host_copies = []
@@ -177,7 +184,7 @@ def test_artifact_holds_portable_modules_hlo_executables_and_a_manifest(neuron_m
     directory = neuron_model(1).artifact_dir
     manifest = json.loads((directory / neuron.MANIFEST_NAME).read_text())
     stamp = json.loads((directory / "neuron_config.json").read_text())
-    assert set(manifest["graphs"]) == {"context_16", "token_32", "token_64"}
+    assert set(manifest["graphs"]) == {"prefill_16", "token_32", "token_64"}  # (continuous batching)
     assert manifest["executables"]["platform"] == "cpu" and manifest["instance_type"] == "inf2.48xlarge"
     for name, entry in manifest["graphs"].items():
         assert entry["files"] == {"mlir": f"{name}.mlir", "mlirbc": f"{name}.mlirbc", "hlo": f"{name}.hlo.pb",
@@ -185,8 +192,8 @@ def test_artifact_holds_portable_modules_hlo_executables_and_a_manifest(neuron_m
         assert set(entry["sha256"]) == set(entry["files"].values())
         assert all(file in stamp["files"] for file in entry["files"].values())
         names = [a["name"] for a in entry["arguments"]]
-        assert names[-6:] == list(StaticDecoder.INPUT_NAMES[:6]) and "layers.qkv_proj.weight" in names
-        assert entry["aliases"] == {str(len(names) - 1): 0} and entry["outputs"] == ["kv_cache", "logits"]
+        assert names[-7:] == list(StaticDecoder.INPUT_NAMES[:7]) and "layers.qkv_proj.weight" in names
+        assert entry["aliases"] == {str(names.index("kv_cache")): 0} and entry["outputs"] == ["kv_cache", "logits"]
     # the portable artifact is StableHLO bytecode a consumer reads back into the same module
     from jaxlib.mlir.dialects import stablehlo
 
@@ -237,7 +244,7 @@ def test_cli_export_and_verify(tiny_checkpoint, tmp_path):
     export = subprocess.run([sys.executable, "-m", "optimum_neuronx.commands", "--model",
                              str(tiny_checkpoint("llama")), "--backend", "neuron", "--batch_size", "3",
                              "--sequence_length", "64", "--context_buckets", "16", "--token_buckets", "32,64",
-                             "--num_cores", "2", str(out)], capture_output=True, text=True, env=env)
+                             "--continuous_batching", "--num_cores", "2", str(out)], capture_output=True, text=True, env=env)
     assert export.returncode == 0, export.stderr[-3000:]
     assert "compiled token_64" in export.stdout
     verify = subprocess.run([sys.executable, "-m", "optimum_neuronx.commands.verify", str(out)],

@@ -60,9 +60,11 @@ def _steps():
     valid = torch.ones(BATCH, SEQUENCE, dtype=torch.bool)
     valid[1, :3] = False
     positions = (valid[:, :PROMPT + 3].long().cumsum(-1) - 1).clamp(min=0)
-    yield ids[:, :PROMPT], positions[:, :PROMPT], torch.tensor([0]), valid[:, :PROMPT], torch.full((BATCH,), PROMPT - 1)
+    yield (ids[:, :PROMPT], positions[:, :PROMPT], torch.zeros(BATCH, dtype=torch.long), valid[:, :PROMPT],
+           torch.full((BATCH,), PROMPT - 1))
     for t in range(PROMPT, PROMPT + 3):
-        yield ids[:, t:t + 1], positions[:, t:t + 1], torch.tensor([t]), valid, torch.zeros(BATCH, dtype=torch.long)
+        yield (ids[:, t:t + 1], positions[:, t:t + 1], torch.full((BATCH,), t), valid,
+               torch.zeros(BATCH, dtype=torch.long))
 
 
 def _run(decoder, graphs, executables, dtype=torch.float32):
@@ -75,6 +77,7 @@ def _run(decoder, graphs, executables, dtype=torch.float32):
         with torch.no_grad():
             eager.append(decoder(*inputs, eager_cache))
         given = dict(zip(("input_ids", "position_ids", "cache_start", "key_valid", "last_index"), inputs))
+        given["seq_ids"] = torch.arange(BATCH)
         given["kv_cache"] = device_cache if device_cache is not None else executable.put(_cache(decoder, dtype))
         args = [state[a.name] if a.kind == "weight" else given[a.name] for a in graph.arguments]
         outputs = executable(args)
@@ -91,7 +94,7 @@ def test_graphs_keep_the_weights_as_arguments_and_donate_the_cache(lowered):
         weights = [a.name for a in graph.arguments if a.kind == "weight"]
         assert sorted(weights) == sorted(names)  # every weight an argument: model.safetensors feeds them all
         assert [a.name for a in graph.arguments if a.kind == "input"] == [
-            "input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache"]
+            "input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache", "seq_ids"]
         cache = graph.argument_index("kv_cache")
         assert graph.aliases == {cache: 0} and graph.outputs == ("kv_cache", "logits")
         assert f"%arg{cache}: tensor<" in graph.text and "tf.aliasing_output = 0 : i32" in graph.text

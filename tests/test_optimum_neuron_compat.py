@@ -70,7 +70,8 @@ def test_export_with_a_neuron_config_as_in_optimum_neuron(tiny_checkpoint, compi
     checkpoint = tiny_checkpoint("llama")
     neuron_config = NeuronModelForCausalLM.get_neuron_config(checkpoint, batch_size=3, sequence_length=64)
     assert neuron_config.context_buckets == (64,)
-    expected = NeuronConfig(batch_size=3, sequence_length=64, context_buckets=[16], token_buckets=[32, 64])
+    expected = NeuronConfig(batch_size=3, sequence_length=64, context_buckets=[16], token_buckets=[32, 64],
+                            continuous_batching=True)
     model = NeuronModelForCausalLM.export(checkpoint, AutoConfig.from_pretrained(checkpoint), expected)
     assert model.neuron_config == expected
     prompt = torch.tensor([[5, 6, 7, 8]])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, BF16_EXPORT, assert_bf16_logits_within_tolerance,
-                      build_tiny_checkpoint, left_padded_prompts, tune)
+                      assert_staggered_requests_match_generate_alone, build_tiny_checkpoint, left_padded_prompts,
+                      tiny_export, tune)
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.verification import compare_generation
 
@@ -38,7 +39,29 @@ def test_greedy_batch_crosses_token_bucket(model_type, reference_model, compiled
     assert result.tokens_match, result
     if model_type == "gemma3_text":  # two 8-token local layers' rings share one row of 64 slots beside the global layer
         model = compiled_model(model_type)
-        assert model._cache.kv.shape[0] == 2 and len(model._handle) == 3  # the handle still counts 3 layers
+        assert model._engine.cache.kv.shape[0] == 2 and len(model._engine.handle) == 3  # the handle counts 3 layers
+
+
+@pytest.mark.parametrize("model_type", family_params())
+def test_staggered_requests_through_the_engine_match_generate_alone(model_type, compiled_model, tiny_checkpoint):
+    # phi3's family export keeps context graphs (its static batches switch LongRoPE together): its own export here.
+    model = compiled_model(model_type) if model_type != "phi3" else NeuronModelForCausalLM.from_pretrained(
+        tiny_checkpoint(model_type), export=True, **tiny_export(model_type, continuous_batching=True))
+    assert_staggered_requests_match_generate_alone(model)
+
+
+def test_a_prompt_three_times_the_largest_context_bucket_matches_transformers(compiled_model, reference_model):
+    # continuous batching: 48 tokens prefilled in three chunks of 16 (each attending to the chunks before it), then
+    # decoded across the 32 -> 64 token bucket; through generate and through the scheduler's slots
+    from optimum_neuronx.scheduler import Request, Scheduler
+
+    model = compiled_model("llama")
+    prompt = torch.randint(3, 256, (1, 3 * max(model.neuron_config.context_buckets)),
+                           generator=torch.Generator().manual_seed(5))
+    expected = reference_model("llama").generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False), expected)
+    served = Scheduler(model._engine).generate([Request(prompt[0].tolist(), 12, request_id="long")])["long"]
+    assert [t for output in served for t in output.token_ids] == expected[0, prompt.shape[1]:].tolist()
 
 
 # phi3 left out: LongRoPE picks its frequencies by the longest position of the whole batch (in Transformers too), so
@@ -410,13 +433,13 @@ def test_sliding_window_caches_keep_what_their_windows_need(compiled_model):
     # (Their tokens and logits: test_greedy_batch_crosses_token_bucket[mistral|qwen2].) Every layer sliding: the cache
     # is a ring of the window's 12 slots; some layers: every slot for all layers.
     mistral, qwen2 = compiled_model("mistral"), compiled_model("qwen2")
-    assert mistral._cache.kv.shape[4] == 12 < mistral.neuron_config.sequence_length
-    assert qwen2._cache.kv.shape[4] == qwen2.neuron_config.sequence_length
+    assert mistral._engine.cache.kv.shape[4] == 12 < mistral.neuron_config.sequence_length
+    assert qwen2._engine.cache.kv.shape[4] == qwen2.neuron_config.sequence_length
     # past the window a ring cannot roll back: assisted decoding is refused
     input_ids, _ = left_padded_prompts((14,), seed=1)
     with pytest.raises(ValueError, match="Assisted decoding requires a cache that can be cropped"):
         mistral.generate(input_ids, prompt_lookup_num_tokens=3, max_new_tokens=4)
-    handle = mistral._handle  # the assisted generate's prompt: 14 tokens, 2 of them past the ring
+    handle = mistral._engine.handle  # the assisted generate's prompt: 14 tokens, 2 of them past the ring
     handle.crop(-1)  # one token back: its slot is rewritten by the next step
     with pytest.raises(ValueError, match=r"cannot roll the cache back from \d+ to \d+ tokens: .* only the last "
                                          r"12 \(its sliding window\)"):

@@ -10,7 +10,7 @@ from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.configuration import NeuronConfig
 from optimum_neuronx.modeling.sampling import MAX_TOP_K, sample_tokens
 
-from conftest import left_padded_prompts, tiny_export
+from conftest import assert_staggered_requests_match_generate_alone, left_padded_prompts, tiny_export
 
 MODEL = "llama"
 
@@ -193,8 +193,9 @@ def test_on_device_sampling_errors(compiled_model):
 
 @pytest.mark.slow
 @pytest.mark.pjrt
-def test_sampling_graphs_on_the_neuron_backend(tiny_checkpoint, compiled_model):
-    """The same graphs lowered to StableHLO: greedy tokens picked on the (XLA) device equal the inductor export's."""
+def test_sampling_graphs_on_the_neuron_backend(tiny_checkpoint, compiled_model, monkeypatch):
+    """The same graphs lowered to StableHLO: greedy tokens picked on the (XLA) device equal the inductor export's;
+    through the engine's slots only the picked token ids come back to the host."""
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(MODEL), export=True, **tiny_export(MODEL),
                                                    backend="neuron", on_device_sampling=True)
     input_ids, attention_mask = left_padded_prompts([16, 11, 5], seed=7)
@@ -209,3 +210,11 @@ def test_sampling_graphs_on_the_neuron_backend(tiny_checkpoint, compiled_model):
     torch.manual_seed(1)
     sampled = model.generate(input_ids, on_device_sampling=True, do_sample=True, top_k=10, **options)
     assert not torch.equal(sampled, greedy)  # drawn, not argmax (seeded: the same draws every run)
+
+    from optimum_neuronx.backends.neuron import backend as neuron_backend
+
+    copied, to_torch = [], neuron_backend.to_torch
+    monkeypatch.setattr(neuron_backend, "to_torch", lambda array: copied.append(tuple(array.shape)) or to_torch(array))
+    assert_staggered_requests_match_generate_alone(model)
+    # generate (greedy on the device) and the slots alike: token ids only, [rows]
+    assert copied and all(len(shape) == 1 for shape in copied), copied

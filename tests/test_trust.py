@@ -160,7 +160,7 @@ def test_edited_config_with_recomputed_hashes_gets_a_clear_error(foreign_copy):
 def test_a_trusted_export_edited_after_compiling_gets_a_clear_error_not_a_crash(foreign_copy):
     # Even with consent, graphs are never handed inputs of other shapes than they were compiled for.
     edit_to_one_layer(foreign_copy)
-    with pytest.raises(ArtifactError, match=r"graph context_16 was compiled for kv_cache \(2, 2, 3, 2, 64, 16\) "
+    with pytest.raises(ArtifactError, match=r"graph prefill_16 was compiled for kv_cache \(2, 2, 3, 2, 64, 16\) "
                                             r"float32, but this export's config.json and neuron_config.json give "
                                             r"\(1, 2, 3, 2, 64, 16\) float32"):
         NeuronModelForCausalLM.from_pretrained(foreign_copy, trust_remote_code=True)
@@ -203,8 +203,8 @@ import sys, torch
 from optimum_neuronx import NeuronModelForCausalLM
 model = NeuronModelForCausalLM.from_pretrained(sys.argv[1])
 cache = torch.zeros(1, 2, 3, 2, 64, 16)  # one layer where the graph was compiled for two
-inputs = [torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-          torch.ones(3, 32, dtype=torch.bool), torch.zeros(3, dtype=torch.long), cache]
+inputs = [torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, dtype=torch.long),
+          torch.ones(3, 32, dtype=torch.bool), torch.zeros(3, dtype=torch.long), cache, torch.arange(3)]
 try:
     model._graphs["token_32"](inputs)
 except RuntimeError as err:

@@ -238,12 +238,14 @@ def _token_call(model, window: int | None):
     window = window or windows[-1]
     if window not in windows:
         raise SystemExit(f"--window {window}: this model's token graphs have windows {windows}")
-    graph, step, cache = model._graphs[f"token_{window}"], model._step, model._cache
+    engine = model._engine
+    graph, step, cache = model._graphs[f"token_{window}"], engine._step, engine.cache
     slot = window - 1  # the new token in the window's last slot: attention over all of it
     step.slot.fill_(slot)
     step.positions.fill_(slot)
     cache.key_valid[:, : slot + 1] = True
-    args = [step.ids, step.positions, step.slot, cache.valid_window(window), step.last, cache.kv]
+    args = [step.ids, step.positions, step.slot, cache.valid_window(window), step.last, cache.kv, step.batch,
+            *engine._sampling_input()]
     return (lambda: graph(list(args))), f"token_{window}"  # the graph empties the list it is given
 
 
@@ -272,8 +274,8 @@ def generate_overhead(model, rounds: int, new_tokens: int, round_trip) -> list[d
         def end(self):
             pass
 
-    model._graphs = {key: timed(graph, in_graph) if key.startswith("token_") else graph
-                     for key, graph in graphs.items()}
+    model._engine.graphs = {key: timed(graph, in_graph) if key.startswith("token_") else graph
+                            for key, graph in graphs.items()}  # the engine makes every graph call
     model.forward = timed(forward, in_forward)
     ids = torch.randint(0, min(model.config.vocab_size, 1000), (batch, 16))
     results = []
@@ -295,7 +297,7 @@ def generate_overhead(model, rounds: int, new_tokens: int, round_trip) -> list[d
                     stamps[i + 1] - stamps[i] - in_forward[i] for i in steps),
                 "core_round_trip_ns": [before, after]})
     finally:
-        model._graphs, model.forward = graphs, forward
+        model._engine.graphs, model.forward = graphs, forward
     return results
 
 

@@ -12,8 +12,25 @@ from ..configuration import GraphSpec, NeuronConfig
 from ..modeling.decoder import Kernels
 
 
-# A loaded graph takes the decoder's flat inputs (StaticDecoder.example_inputs' order) and returns logits.
+# A loaded graph takes the decoder's flat inputs (StaticDecoder.example_inputs' order) and returns logits; a graph
+# that samples on the device returns (logits, tokens), its logits possibly DeviceLogits.
 CompiledGraph = Callable[[list], torch.Tensor]
+
+
+class DeviceLogits:
+    """A sampling graph's logits left on the device that computed them, copied to the host only when read: a step
+    whose tokens were picked on the device moves token ids only, not [batch, vocab] logits."""
+
+    def __init__(self, fetch: Callable[[], torch.Tensor]):
+        self._fetch = fetch
+
+    def to_torch(self) -> torch.Tensor:
+        return self._fetch()
+
+
+def host_logits(logits) -> torch.Tensor:
+    """Logits on the host: DeviceLogits copied over, a tensor as it is."""
+    return logits.to_torch() if isinstance(logits, DeviceLogits) else logits
 
 
 class Backend(ABC):

@@ -88,6 +88,9 @@ def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on_device_sampling", action="store_true", default=None,
                         help="the graphs also pick the next token (greedy, temperature, top-k, top-p), which generate "
                              "uses when a request asks for nothing more")
+    parser.add_argument("--continuous_batching", action="store_true", default=None,
+                        help="serve requests that join and leave the batch at any step (optimum-cli neuron serve): "
+                             "one-row prefill graphs that also encode prompts longer than the largest bucket")
     parser.add_argument("--compiler_args", action="append", default=[], metavar="ARG",
                         help="backend option, repeatable; inductor: NAME=VALUE, a torch._inductor.config option; "
                              "neuron: a neuronx-cc flag, e.g. --compiler_args=-O3")
@@ -136,7 +139,8 @@ def neuron_config_from_args(args: argparse.Namespace, config=None):
                    instance_type=getattr(args, "instance_type", None),
                    speculation_length=getattr(args, "speculation_length", None),
                    quantization=getattr(args, "quantization", None),
-                   on_device_sampling=getattr(args, "on_device_sampling", None))
+                   on_device_sampling=getattr(args, "on_device_sampling", None),
+                   continuous_batching=getattr(args, "continuous_batching", None))
     if config is not None:
         return NeuronConfig.for_model(config, **options)
     return NeuronConfig(**{k: v for k, v in options.items() if v is not None})

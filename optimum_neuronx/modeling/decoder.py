@@ -2,16 +2,18 @@
 
 A single forward serves both graphs:
 
-    forward(input_ids[B, T], position_ids[B, T], cache_start[1], key_valid[B, W], last_index[B], kv_cache)
-        -> logits[B, V] (float32)
+    forward(input_ids[B, T], position_ids[B, T], cache_start[B], key_valid[B, W], last_index[B], kv_cache,
+            seq_ids[B]) -> logits[B, V] (float32)
     (with on-device sampling, a last input sampling[B, 4] and the picked tokens [B] returned after the logits)
 
 * context encoding: T = W = prompt bucket, cache_start = 0;
-* token generation: T = 1, W = token-generation bucket, cache_start = the slot the token is written to;
+* token generation: T = 1, W = token-generation bucket, cache_start = the slot each row's token is written to;
 * verification (speculative decoding): T = drafted tokens + 1 over a token bucket, last_index [B, T]: logits
-  [B, T, V] at every new token.
+  [B, T, V] at every new token;
+* prefill (continuous batching): B = 1 row of the cache, the row `seq_ids` names, T = a chunk of its prompt
+  written from slot cache_start (> 0: a later chunk, attending to what the row holds), W = the whole cache.
 
-The T new tokens are written at cache slots cache_start .. cache_start + T - 1 of the preallocated cache
+Row b's T new tokens are written at cache slots cache_start[b] .. cache_start[b] + T - 1 of the preallocated cache
 `kv_cache[layers, 2 (k/v), B, kv_heads, S, head_dim]`, all layers with one in-place write after the last layer;
 each layer's attention reads slots 0 .. W - 1 of its cache as they were before the step, and its new tokens'
 K and V beside them (sliding layers may keep only their window, `DecoderSpec.cache_places`: a ring, slot s at s
@@ -493,33 +495,37 @@ class StaticDecoder(nn.Module):
         tiled = self.tiled_weights()
         return {name: tile_weight(w, tiled[name]) if name in tiled else w for name, w in weights.items()}
 
-    # forward's inputs, in order: every graph takes them so.
-    # (on-device sampling graphs take "sampling" too: modeling/sampling.py)
-    INPUT_NAMES = ("input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache", "sampling")
+    # forward's inputs, in order: every graph takes them so. seq_ids [B]: the cache rows a row-targeted graph (fewer
+    # rows than the cache) serves; in a full-batch graph, rows of one static batch share an id (LongRoPE picks its
+    # frequencies per batch, as Transformers does), slots have their own. (on-device sampling graphs take "sampling"
+    # too: modeling/sampling.py)
+    INPUT_NAMES = ("input_ids", "position_ids", "cache_start", "key_valid", "last_index", "kv_cache", "seq_ids",
+                   "sampling")
 
     @staticmethod
     def example_inputs(batch_size: int, tokens: int, window: int, kv_cache: torch.Tensor,
                        logits_positions: int = 1, sampling: bool = False) -> tuple:
-        """Inputs of the graph for `tokens` new tokens per sequence over a `window` of the cache (INPUT_NAMES);
-        `logits_positions` > 1: last_index [B, positions], logits at each (a verification graph); `sampling`: the
-        graph picks each row's next token too (on-device sampling)."""
+        """Inputs of the graph for `tokens` new tokens of `batch_size` sequences over a `window` of the cache
+        (INPUT_NAMES); `logits_positions` > 1: last_index [B, positions], logits at each (a verification graph);
+        `sampling`: the graph picks each row's next token too (on-device sampling)."""
         last_index = torch.zeros(batch_size, *((logits_positions,) if logits_positions > 1 else ()), dtype=torch.long)
         inputs = (
             torch.zeros(batch_size, tokens, dtype=torch.long),  # input_ids
             torch.zeros(batch_size, tokens, dtype=torch.long),  # position_ids
-            torch.zeros(1, dtype=torch.long),  # cache_start
+            torch.zeros(batch_size, dtype=torch.long),  # cache_start
             torch.ones(batch_size, window, dtype=torch.bool),  # key_valid
             last_index,
             kv_cache,
+            torch.zeros(batch_size, dtype=torch.long),  # seq_ids
         )
         return (*inputs, torch.zeros(batch_size, len(SAMPLING_FIELDS))) if sampling else inputs
 
     @classmethod
     def graph_inputs(cls, graph, batch_size: int, kv_cache: torch.Tensor, on_device_sampling: bool) -> tuple:
-        """`example_inputs` of the graph a configuration.GraphSpec describes, in an export that samples on the
-        device or not."""
-        return cls.example_inputs(batch_size, graph.tokens, graph.window, kv_cache, graph.logits_positions,
-                                  graph.samples(on_device_sampling))
+        """`example_inputs` of the graph a configuration.GraphSpec describes, in an export of `batch_size` rows that
+        samples on the device or not."""
+        return cls.example_inputs(graph.rows(batch_size), graph.tokens, graph.window, kv_cache,
+                                  graph.logits_positions, graph.samples(on_device_sampling))
 
     def _masks(self, allowed, fresh, dtype, n_rep):
         """The additive attention masks (pieces, `attention_masks`) of `allowed` [B, 1, T, W] and of the new tokens
@@ -528,8 +534,11 @@ class StaticDecoder(nn.Module):
             return attention_masks(_additive(allowed, dtype), n_rep, self.kernels.causal_block), None
         return attention_masks(_additive(allowed, dtype), n_rep), attention_masks(_additive(fresh, dtype), n_rep)[0]
 
-    def forward(self, input_ids, position_ids, cache_start, key_valid, last_index, kv_cache, sampling=None):
+    def forward(self, input_ids, position_ids, cache_start, key_valid, last_index, kv_cache, seq_ids=None,
+                sampling=None):
         B, T = input_ids.shape
+        if cache_start.shape[0] != B:  # one start for every row (eager callers)
+            cache_start = cache_start.expand(B)
         W = key_valid.shape[1]
         dtype = self.embed_tokens.weight.dtype
         h = _residual(self.embed_tokens(input_ids), self.spec.embedding_multiplier)
@@ -539,28 +548,39 @@ class StaticDecoder(nn.Module):
             h = h + self.embed_positions(position_ids.clamp(0, self.spec.max_positions - 1))
         else:
             inv_freq = self.rope_inv_freq
-            if self.spec.rope_long_inv_freq:  # one set for the whole call, picked by its largest position
-                inv_freq = torch.where(position_ids.max() + 1 > self.spec.rope_long_after, self.rope_long_inv_freq,
-                                       inv_freq)
+            if self.spec.rope_long_inv_freq:
+                # One set per group of rows with equal seq_ids (a static batch: all of them, as Transformers picks it
+                # for a batch; slots: each row alone), picked by the group's largest position.
+                ids = seq_ids if seq_ids is not None else torch.zeros(B, dtype=torch.long, device=input_ids.device)
+                past = position_ids.max(dim=1).values + 1 > self.spec.rope_long_after  # [B]
+                long = ((ids[:, None] == ids[None, :]) & past[None, :]).any(dim=1)[:, None, None]  # [B, 1, 1]
+                inv_freq = torch.where(long, self.rope_long_inv_freq, inv_freq)
             cos, sin = _rotation(position_ids, inv_freq, self.spec.rope_attention_scaling, dtype)
 
         dev = input_ids.device
-        slots = cache_start + torch.arange(T, device=dev)  # [T]
+        # Fewer rows than the cache holds: a row-targeted graph, its rows the cache rows `seq_ids` (read as a copy,
+        # written in place); otherwise row b is cache row b and seq_ids is not read.
+        targeted = B != kv_cache.shape[2]
+        if targeted and seq_ids is None:
+            raise ValueError(f"{B} rows for a cache of {kv_cache.shape[2]}: pass seq_ids, the cache rows they are")
+        cache_rows = kv_cache.index_select(2, seq_ids) if targeted else kv_cache
+        slots = cache_start[:, None] + torch.arange(T, device=dev)  # [B, T]: each row's slots for its new tokens
         s, L = self.spec, self.spec.num_layers
         n_rep = s.num_heads // s.num_kv_heads
         places = s.cache_places or tuple((layer, 0, kv_cache.shape[4]) for layer in range(L))
         ring = s.sliding_window if s.cache_places else 0  # the slots a sliding layer keeps (0: every one)
         stores_ring = [bool(ring) and layer in s.sliding_layers for layer in range(L)]
-        if T == W:  # a context graph: the window is its tokens, from slot 0
+        if T == W and not targeted:  # a context graph: the window is its tokens, from slot 0
             key_slots = torch.arange(W, device=dev)
-            context = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[None, None, :, None])
+            context = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[:, None, :, None])
             cached = fresh = None
         else:
             # The cache's slots from cache_start on hold stale K/V until the write after the layers: the new tokens
-            # are attended to from new_kv instead, causally among themselves.
-            cached = key_valid & (torch.arange(W, device=dev) < cache_start)  # [B, W]
+            # are attended to from new_kv instead, causally among themselves. (A row a step does not serve may sit
+            # past the window: its slots are clamped into it, its outputs unread.)
+            cached = key_valid & (torch.arange(W, device=dev)[None, :] < cache_start[:, None])  # [B, W]
             causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-            fresh = key_valid.index_select(1, slots)[:, None, None, :] & causal  # [B, 1, T, T]
+            fresh = key_valid.gather(1, slots.clamp(max=W - 1))[:, None, None, :] & causal  # [B, 1, T, T]
 
         def mask_set(cached, positions, window: bool):
             """(masks, new_mask) over the keys `cached` [B, K] at `positions` [B, K] (None: a context graph), within
@@ -582,10 +602,12 @@ class StaticDecoder(nn.Module):
         key_positions = key_valid.long().cumsum(1) - 1 if s.sliding_window else None  # [B, W]
         sets = {}
         for kind in dict.fromkeys(kinds):  # in layer order: the traced graph is the same in every process
-            if kind == "ring":
-                held = cache_start - 1 - torch.remainder(cache_start - 1 - torch.arange(ring, device=dev), ring)
-                sets[kind] = mask_set(key_valid.index_select(1, held.clamp(min=0)) & (held >= 0),
-                                      key_positions.index_select(1, held.clamp(min=0)), True)
+            if kind == "ring":  # per row: ring slot j holds the latest slot before cache_start that is j mod ring
+                # (dividends kept >= 0: some lowerings compute remainder with the dividend's sign)
+                last = cache_start[:, None] - 1
+                held = last - torch.remainder(last + ring - torch.arange(ring, device=dev), ring)  # [B, ring]
+                at = held.clamp(min=0, max=W - 1)
+                sets[kind] = mask_set(key_valid.gather(1, at) & (held >= 0), key_positions.gather(1, at), True)
             else:
                 sets[kind] = mask_set(cached, key_positions, kind == "window")
         masks, new_mask = sets[kinds[0]]
@@ -627,13 +649,13 @@ class StaticDecoder(nn.Module):
                     return layer.step(weights, h, x.get("cos", cos), x.get("sin", sin), layer_mask, layer_new_mask,
                                       layer_cache)
 
-                h, new_kv = scan(body, h, (layer.weights(), kv_cache, extra))
+                h, new_kv = scan(body, h, (layer.weights(), cache_rows, extra))
             else:  # every layer alike: one cos / sin and one set of masks the loop body reads
                 def body(h, xs):
                     weights, layer_cache = xs
                     return layer.step(weights, h, cos, sin, masks, new_mask, layer_cache)
 
-                h, new_kv = scan(body, h, (layer.weights(), kv_cache))
+                h, new_kv = scan(body, h, (layer.weights(), cache_rows))
         else:  # unrolled: one module per layer, or the stacked weights' slices (Kernels.scans False, packed caches)
             weights = self.layers.weights() if stacked else None
             new_kv = []
@@ -643,11 +665,15 @@ class StaticDecoder(nn.Module):
                 layer_cos, layer_sin = (cos[i], sin[i]) if per_layer else (cos, sin)
                 row, first, n = places[i]
                 h, layer_kv = layer.step(layer_weights, h, layer_cos, layer_sin, *sets[kinds[i]],
-                                         kv_cache[row, :, :, :, first:first + n])
+                                         cache_rows[row, :, :, :, first:first + n])
                 new_kv.append(layer_kv)
 
         # Every layer's K and V written in place by one write per kind of place (all slots, or a ring): writes
-        # through views would copy the cache.
+        # through views would copy the cache. A row-targeted graph writes nothing after a row's last real token
+        # (last_index): such entries repeat the last token's write (same slot, same values), so a chunk's padding
+        # never lands on slots the row holds.
+        steps = torch.arange(T, device=dev)
+        source = torch.minimum(steps, last_index[:, None]) if targeted else steps.expand(B, T)  # [B, T]
         for ring_group in (False, True):
             layers = [i for i in range(L) if stores_ring[i] == ring_group]
             if not layers:
@@ -656,24 +682,33 @@ class StaticDecoder(nn.Module):
                 kv = new_kv
             else:
                 kv = torch.stack([new_kv[i] for i in layers])
-            token_slots, count = slots, T
-            if ring_group and T > ring:  # a context longer than the ring: ring slot j gets the latest real token
-                # that is j modulo the ring (the tokens after last_index are padding)
-                last = last_index[:1]
-                kept = (last - torch.remainder(last - torch.arange(ring, device=dev), ring)).clamp(min=0)
-                kv, token_slots, count = kv.index_select(4, kept), torch.arange(ring, device=dev), ring
+            picked = source
+            token_slots = cache_start[:, None] + source  # [B, entries]
+            if ring_group and T > ring:
+                # More new tokens than the ring holds: ring slot j gets the latest real token that is j modulo the
+                # ring; a slot no new token reaches keeps what it holds (its entry repeats the last token's write).
+                end = cache_start + last_index if last_index.dim() == 1 else cache_start + T - 1  # [B]
+                latest = end[:, None] - torch.remainder(end[:, None] + ring - torch.arange(ring, device=dev), ring)
+                reached = latest >= cache_start[:, None]
+                picked = torch.where(reached, latest - cache_start[:, None], (end - cache_start)[:, None])
+                token_slots = torch.where(reached, torch.arange(ring, device=dev), torch.remainder(end, ring)[:, None])
             elif ring_group:
-                token_slots = torch.remainder(slots, ring)
+                token_slots = torch.remainder(token_slots, ring)
+            count = picked.shape[1]
+            if targeted or count != T:
+                kv = kv.gather(4, picked.view(1, 1, B, 1, count, 1).expand(*kv.shape[:4], count, kv.shape[5]))
             n, rows = len(layers), torch.arange(len(layers), device=dev)
+            slot_index = token_slots.view(1, 1, B, 1, count)
             if packed and ring_group:  # the rings side by side after the full layers' rows (window_cache_places)
                 per_row, full_rows = kv_cache.shape[4] // ring, L - n
-                rows, token_slots = full_rows + rows // per_row, (rows % per_row * ring)[:, None] + token_slots
+                slot_index = (rows % per_row * ring).view(n, 1, 1, 1, 1) + slot_index
+                rows = full_rows + rows // per_row
             index = (
                 rows.view(n, 1, 1, 1, 1),
                 torch.arange(2, device=dev).view(1, 2, 1, 1, 1),
-                torch.arange(B, device=dev).view(1, 1, B, 1, 1),
+                (seq_ids if targeted else torch.arange(B, device=dev)).view(1, 1, B, 1, 1),
                 torch.arange(s.num_kv_heads, device=dev).view(1, 1, 1, s.num_kv_heads, 1),
-                token_slots.view(-1 if token_slots.dim() == 2 else 1, 1, 1, 1, count),
+                slot_index,
             )
             self.kernels.write_cache(kv_cache, index, kv)
 

@@ -27,7 +27,7 @@ from ...configuration import INSTANCE_TYPES, GraphSpec
 from ...digests import file_sha256
 from ...modeling.decoder import StaticDecoder
 from ...modeling.sharding import KV_CACHE_AXIS, ShardLayout
-from ..base import Backend, CompiledGraph
+from ..base import Backend, CompiledGraph, DeviceLogits
 from ..workers import compile_workers, map_in_workers
 from . import neuronx_cc
 from .pjrt import PjrtGraph, Placement, default_client, platform_version, to_numpy, to_torch
@@ -280,8 +280,10 @@ class NeuronGraph:
         outputs = self.executable([self._weights[name] if name in self._weights else given[name]
                                    for name in self._inputs])
         cache.buffer = outputs[self._cache_output]
-        results = [to_torch(outputs[i]) for i in self._results]
-        return results[0] if len(results) == 1 else tuple(results)
+        if len(self._results) == 1:
+            return to_torch(outputs[self._results[0]])
+        logits, tokens = (outputs[i] for i in self._results)  # on-device sampling: only the tokens come back now
+        return DeviceLogits(functools.partial(to_torch, logits)), to_torch(tokens)
 
 
 class DeviceKVCache:

@@ -1,0 +1,263 @@
+"""Continuous batching over the engine's slots: requests join as slots free up, long prompts are encoded in chunks
+between decode steps, and each request stops on its own (EOS, a stop string, max_tokens, cancellation).
+
+`Scheduler.step()` runs one iteration - admit, prefill within the token budget, one decode step for every decoding
+slot - and returns what each request produced. It knows no server: server/worker.py drives it in the engine's
+process, and tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from typing import Optional, Sequence
+
+import torch
+
+from .engine import Engine
+from .modeling.sampling import MAX_TOP_K, sample_tokens
+
+
+class QueueFull(Exception):
+    """More requests than the slots and the waiting queue hold."""
+
+
+@dataclasses.dataclass
+class Request:
+    """A generation request: prompt token ids and how to pick and stop."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    request_id: str = ""
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no top-k
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop_token_ids: tuple[int, ...] = ()  # EOS and the like: stop, not part of the text
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
+
+    def sampling_row(self, generator: Optional[torch.Generator], vocab_size: int) -> torch.Tensor:
+        """The request as the sampling function's row (modeling/sampling.py), with a fresh uniform draw."""
+        top_k = self.top_k if 0 < self.top_k < vocab_size else 0
+        if top_k == 0 and self.top_p < 1.0:  # nucleus sampling among the most likely MAX_TOP_K tokens
+            top_k = min(MAX_TOP_K, vocab_size)
+        uniform = float(torch.rand((), generator=generator)) if self.temperature > 0 else 0.0
+        return torch.tensor([[float(top_k), float(self.top_p), float(self.temperature), uniform]])
+
+
+@dataclasses.dataclass
+class Output:
+    """What one request produced in one step: new token ids, the text they complete (held back while it may be the
+    start of a stop string or of a multi-byte character), and the finish reason once it is done."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[str] = None  # "stop", "length", "cancelled"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclasses.dataclass
+class _Running:
+    request: Request
+    slot: int
+    generator: Optional[torch.Generator]
+    encoding: list[int] = dataclasses.field(default_factory=list)  # what prefill writes into the slot
+    prefilled: int = 0  # tokens of `encoding` in the cache
+    generated: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""  # the text sent so far
+    next_token: Optional[int] = None  # the last token picked, fed in the next decode step
+    long_rope: bool = False  # the slot was encoded with LongRoPE's long frequencies
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.encoding)
+
+
+def check_request(request: Request, sequence_length: int, vocab_size: int) -> None:
+    """Raise ValueError naming the field and the limit where `request` cannot be served by an export of
+    `sequence_length` and `vocab_size`."""
+    prompt = len(request.prompt)
+    if not prompt:
+        raise ValueError("prompt: empty; a request needs at least one token.")
+    if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+        raise ValueError(f"max_tokens: {request.max_tokens!r}; it must be an integer >= 1.")
+    if prompt + request.max_tokens > sequence_length:
+        raise ValueError(f"max_tokens: {request.max_tokens} after a prompt of {prompt} tokens makes "
+                         f"{prompt + request.max_tokens}, more than this model's sequence_length ({sequence_length}): "
+                         f"use max_tokens <= {max(sequence_length - prompt, 0)} or a shorter prompt.")
+    bad = [t for t in request.prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (0 to {vocab_size - 1}).")
+    if request.top_k < 0 or MAX_TOP_K < request.top_k < vocab_size:
+        raise ValueError(f"top_k: {request.top_k}; this server samples among at most {MAX_TOP_K} tokens (0 or -1: "
+                         f"no top-k).")
+    if not 0.0 < request.top_p <= 1.0:
+        raise ValueError(f"top_p: {request.top_p}; it must be in (0, 1].")
+    if request.temperature < 0:
+        raise ValueError(f"temperature: {request.temperature}; it must be >= 0 (0: greedy).")
+
+
+class Scheduler:
+    """One engine's requests. `max_waiting`: requests that may wait for a slot (beyond that `add` raises QueueFull);
+    `prefill_budget`: the most prompt tokens encoded per step (at least one chunk), so a long prompt is spread over
+    several steps while the other slots keep decoding."""
+
+    def __init__(self, engine: Engine, tokenizer=None, max_waiting: int = 16, prefill_budget: Optional[int] = None):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.max_waiting = max_waiting
+        self.prefill_budget = prefill_budget or engine.chunk(engine.neuron_config.sequence_length)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, _Running] = {}
+        self._free = list(range(engine.slots))
+        self._cancelled: set[str] = set()
+        self._ids = itertools.count()
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.slots + self.max_waiting
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> str:
+        """Queue `request` (checked); its id (given, or a new one). QueueFull when the slots and queue are full."""
+        check_request(request, self.engine.neuron_config.sequence_length, self.engine.vocab_size)
+        if len(self) >= self.capacity:
+            raise QueueFull(f"{len(self)} requests running or waiting: the limit is {self.capacity} "
+                            f"({self.engine.slots} slots + {self.max_waiting} waiting).")
+        if not request.request_id:
+            request.request_id = f"req-{next(self._ids)}"
+        self.waiting.append(request)
+        return request.request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stop `request_id` at the next step (its slot is freed; it gets a last Output, finish_reason "cancelled")."""
+        self._cancelled.add(request_id)
+
+    def step(self) -> list[Output]:
+        """One iteration: cancellations, admissions into free slots, prefill chunks within the budget, then one
+        decode step for every slot that is decoding. Returns each request's output of this step."""
+        outputs = self._cancel()
+        while self.waiting and self._free:
+            request = self.waiting.popleft()
+            slot = self._free.pop(0)
+            generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
+            self.running[request.request_id] = _Running(request, slot, generator, list(request.prompt))
+            self.engine.free(slot)
+        after = self.engine.rope_long_after
+        for run in self.running.values():
+            if after and run.decoding and not run.long_rope and self.engine.lengths[run.slot] >= after:
+                # LongRoPE: the sequence passes the switch, so it is encoded again with the long frequencies (as
+                # generate does alone); the next token comes from that prefill
+                run.encoding, run.prefilled = list(run.request.prompt) + run.generated, 0
+                self.engine.free(run.slot)
+        budget = self.prefill_budget
+        for run in list(self.running.values()):
+            while not run.decoding and budget > 0:
+                budget -= self._prefill(run, outputs)
+        decoding = [run for run in self.running.values() if run.decoding and run.next_token is not None]
+        if decoding:
+            rows = torch.cat([run.request.sampling_row(run.generator, self.engine.vocab_size) for run in decoding])
+            logits, tokens = self.engine.step([run.slot for run in decoding], [run.next_token for run in decoding],
+                                              rows)
+            picked = tokens if tokens is not None else sample_tokens(logits, rows)
+            for run, token in zip(decoding, picked.tolist()):
+                self._emit(run, token, outputs)
+        return outputs
+
+    def _prefill(self, run: _Running, outputs: list[Output]) -> int:
+        sequence, after = run.encoding, self.engine.rope_long_after
+        k = self.engine.chunk(len(sequence) - run.prefilled)
+        if after and len(sequence) > after and k < len(sequence):
+            raise ValueError(f"a sequence of {len(sequence)} tokens passes this model's LongRoPE switch ({after}) and "
+                             f"must be encoded in one pass, but prefill chunks take {k}: re-export with "
+                             f"context_buckets including {self.engine.neuron_config.sequence_length}.")
+        ids = torch.tensor(sequence[run.prefilled:run.prefilled + k], dtype=torch.long)
+        last = run.prefilled + k == len(sequence)
+        row = run.request.sampling_row(run.generator, self.engine.vocab_size) if last else None
+        logits, tokens = self.engine.prefill(run.slot, ids, row)
+        run.prefilled += k
+        run.long_rope = bool(after) and len(sequence) > after
+        if last:
+            token = tokens if tokens is not None else sample_tokens(logits, row)
+            self._emit(run, int(token[0]), outputs)
+        return k
+
+    def _emit(self, run: _Running, token: int, outputs: list[Output]) -> None:
+        """Record `token` for `run`: its output of this step, and its end where it stops."""
+        request = run.request
+        finish = None
+        if token in request.stop_token_ids:
+            finish, new_ids = "stop", []
+        else:
+            run.generated.append(token)
+            new_ids = [token]
+        if finish is None and (len(run.generated) >= request.max_tokens
+                               or self.engine.lengths[run.slot] >= self.engine.neuron_config.sequence_length):
+            finish = "length"
+        text, stopped = self._text(run, finish is not None)
+        if stopped:
+            finish = "stop"
+        run.next_token = token
+        outputs.append(Output(request.request_id, new_ids, text, finish, len(request.prompt), len(run.generated)))
+        if finish is not None:
+            self._release(run)
+
+    def _text(self, run: _Running, final: bool) -> tuple[str, bool]:
+        """The text new since the last output, and whether a stop string ended it."""
+        if self.tokenizer is None:
+            return "", False
+        full = self.tokenizer.decode(run.generated, skip_special_tokens=True)
+        stop = run.request.stop
+        hits = [i for i in (full.find(s, max(len(run.text) - len(s) + 1, 0)) for s in stop) if i >= 0]
+        if hits:
+            full, final, stopped = full[:min(hits)], True, True
+        else:
+            stopped = False
+        end = len(full)
+        if not final:
+            if full.endswith("\ufffd"):  # a character whose bytes are not all decoded yet
+                end = len(full.rstrip("\ufffd"))
+            for s in stop:  # hold back what may be the start of a stop string
+                for n in range(min(len(s) - 1, end), 0, -1):
+                    if full[:end].endswith(s[:n]):
+                        end -= n
+                        break
+        end = max(end, len(run.text))
+        delta, run.text = full[len(run.text):end], full[:end]
+        return delta, stopped
+
+    def _cancel(self) -> list[Output]:
+        outputs = []
+        for request_id in self._cancelled:
+            run = self.running.get(request_id)
+            if run is not None:
+                self._release(run)
+            else:
+                kept = [r for r in self.waiting if r.request_id != request_id]
+                if len(kept) == len(self.waiting):
+                    continue
+                self.waiting = deque(kept)
+            outputs.append(Output(request_id, [], "", "cancelled"))
+        self._cancelled.clear()
+        return outputs
+
+    def _release(self, run: _Running) -> None:
+        del self.running[run.request.request_id]
+        self.engine.free(run.slot)
+        self._free.append(run.slot)
+
+    def generate(self, requests: list[Request]) -> dict[str, list[Output]]:
+        """Serve `requests` to the end (all queued at once, beyond the slots too): each request's outputs in order."""
+        results: dict[str, list[Output]] = {}
+        pending = deque(requests)
+        while pending or self.running or self.waiting:
+            while pending and len(self) < self.capacity:
+                results[self.add(pending.popleft())] = []
+            for output in self.step():
+                results[output.request_id].append(output)
+        return results
+
