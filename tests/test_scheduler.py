@@ -1,0 +1,176 @@
+"""The scheduler and the server's request checks against a scripted engine (no graphs): admission, the prefill
+budget between decode steps, stop conditions, cancellation, backpressure; the serve command's flag checks and the
+Ray Serve deployment's settings."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from optimum_neuronx.scheduler import QueueFull, Request, Scheduler, check_request
+from serving import byte_tokenizer
+
+VOCAB, SEQUENCE, CHUNK = 256, 64, 8
+
+
+class ScriptedEngine:
+    """The Engine's slot API; each slot's next token is `script[request's first prompt token]`, in order. Records
+    every call."""
+
+    def __init__(self, scripts: dict[int, list[int]], slots: int = 2):
+        self.slots, self.vocab_size, self.rope_long_after = slots, VOCAB, 0
+        self.neuron_config = types.SimpleNamespace(sequence_length=SEQUENCE)
+        self.lengths = [0] * slots
+        self.scripts, self.calls, self._next = scripts, [], {}
+
+    def chunk(self, remaining: int) -> int:
+        return min(remaining, CHUNK)
+
+    def _logits(self, slot: int) -> torch.Tensor:
+        logits = torch.zeros(1, VOCAB)
+        logits[0, self._next[slot].pop(0)] = 1.0
+        return logits
+
+    def prefill(self, slot, token_ids, sampling=None):
+        self.calls.append(("prefill", slot, len(token_ids)))
+        if self.lengths[slot] == 0:
+            self._next[slot] = list(self.scripts[int(token_ids[0])])
+        self.lengths[slot] += len(token_ids)
+        return self._logits(slot), None
+
+    def step(self, slots, token_ids, sampling=None):
+        self.calls.append(("step", tuple(slots)))
+        for slot in slots:
+            self.lengths[slot] += 1
+        return torch.cat([self._logits(slot) for slot in slots]), None
+
+    def free(self, slot):
+        self.calls.append(("free", slot))
+        self.lengths[slot] = 0
+
+
+def _text(outputs) -> str:
+    return "".join(o.text for o in outputs)
+
+
+def test_requests_stop_at_eos_max_tokens_and_stop_strings_each_on_its_own():
+    tokenizer = byte_tokenizer()
+    script = list(b"Hello STOP world")
+    engine = ScriptedEngine({10: [65, 66, 2, 67], 11: [70] * 10, 12: script})
+    scheduler = Scheduler(engine, tokenizer, max_waiting=4)
+    results = scheduler.generate([Request([10, 3], 9, "eos", stop_token_ids=(2,)),
+                                  Request([11, 3, 4], 3, "length"),
+                                  Request([12], 20, "stop-string", stop=("STOP",))])
+    assert _text(results["eos"]) == "AB" and results["eos"][-1].finish_reason == "stop"
+    assert results["eos"][-1].completion_tokens == 2  # EOS is not part of the completion
+    assert _text(results["length"]) == "FFF" and results["length"][-1].finish_reason == "length"
+    assert _text(results["stop-string"]) == "Hello " and results["stop-string"][-1].finish_reason == "stop"
+    # the text streamed never showed a piece of the stop string before it was ruled out or confirmed
+    assert all("S" not in o.text for o in results["stop-string"])
+    assert len([call for call in engine.calls if call[0] == "free"]) == 6  # each request: admitted, released
+    assert not scheduler.running and not scheduler.waiting
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
+    engine = ScriptedEngine({20: [70] * 8, 21: [71] * 8})
+    scheduler = Scheduler(engine, max_waiting=2, prefill_budget=CHUNK)
+    scheduler.add(Request([20, 3], 6, "short"))
+    scheduler.step()  # short: prefilled (its first token) and one decode step
+    scheduler.add(Request([21] + [3] * 30, 2, "long"))  # 31 tokens: four chunks of <= 8
+    while scheduler.running:
+        scheduler.step()
+    calls = [c for c in engine.calls if c[0] != "free"]
+    long_chunks = [i for i, c in enumerate(calls) if c == ("prefill", 1, CHUNK) or c[:2] == ("prefill", 1)]
+    assert [calls[i][2] for i in long_chunks] == [8, 8, 8, 7]
+    # every chunk of the long prompt is followed by a decode step of the short request: it never waits for all four
+    assert all(calls[i + 1][0] == "step" and 0 in calls[i + 1][1] for i in long_chunks[:3])
+
+
+def test_cancellation_frees_the_slot_and_a_waiting_request_takes_it():
+    engine = ScriptedEngine({30: [70] * 40, 31: [71] * 40, 32: [72] * 4}, slots=2)
+    scheduler = Scheduler(engine, max_waiting=1)
+    for name, first in (("a", 30), ("b", 31), ("c", 32)):
+        scheduler.add(Request([first], 30, name))
+    with pytest.raises(QueueFull, match=r"3 requests running or waiting: the limit is 3 \(2 slots \+ 1 waiting\)"):
+        scheduler.add(Request([30], 5, "d"))
+    scheduler.step()
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+    scheduler.cancel("a")
+    outputs = scheduler.step()
+    assert any(o.request_id == "a" and o.finish_reason == "cancelled" for o in outputs)
+    assert scheduler.running["c"].slot == 0  # a's slot, freed and reused in the same step
+    assert ("free", 0) in engine.calls
+
+
+def test_seeded_requests_draw_the_same_tokens():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0))
+    request = Request([5], 4, temperature=1.0, top_k=20, top_p=0.9, seed=11)
+    rows = [[request.sampling_row(torch.Generator().manual_seed(11), VOCAB) for _ in range(3)] for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*rows))
+    from optimum_neuronx.modeling.sampling import sample_tokens
+
+    assert sample_tokens(logits, rows[0][0]) == sample_tokens(logits, rows[1][0])
+    greedy = Request([5], 4).sampling_row(None, VOCAB)
+    assert greedy[0, 2] == 0 and sample_tokens(logits, greedy) == logits.argmax()
+
+
+@pytest.mark.parametrize("request_, message", [
+    (Request([5] * 30, 40), r"max_tokens: 40 after a prompt of 30 tokens makes 70, more than this model's "
+                            r"sequence_length \(64\): use max_tokens <= 34"),
+    (Request([5, 300], 4), r"prompt: token id 300 is outside the vocabulary \(0 to 255\)"),
+    (Request([], 4), r"prompt: empty"),
+    (Request([5], 0), r"max_tokens: 0; it must be an integer >= 1"),
+    (Request([5], 4, top_p=0.0), r"top_p: 0.0; it must be in \(0, 1\]"),
+])
+def test_requests_the_export_cannot_serve_are_refused_naming_the_field(request_, message):
+    with pytest.raises(ValueError, match=message):
+        check_request(request_, SEQUENCE, VOCAB)
+
+
+def test_protocol_fields():
+    from optimum_neuronx.server.protocol import RequestError, check_fields, to_request
+
+    with pytest.raises(RequestError, match=r"n: 2 is not supported; this server takes n=1 only") as refused:
+        check_fields({"model": "m", "prompt": "x", "n": 2}, chat=False)
+    assert refused.value.param == "n" and refused.value.status == 400
+    with pytest.raises(RequestError, match=r"frobnicate: unknown field for chat completions"):
+        check_fields({"model": "m", "messages": [], "frobnicate": 1}, chat=True)
+    check_fields({"model": "m", "prompt": "x", "n": 1, "logprobs": None, "user": "u"}, chat=False)
+    request = to_request({"max_tokens": 5, "stop": "\n", "temperature": 0, "top_k": -1, "seed": 3,
+                          "stop_token_ids": [7]}, [1, 2], (2,), 60, "r")
+    assert (request.max_tokens, request.stop, request.top_k, request.seed, request.stop_token_ids) == \
+        (5, ("\n",), 0, 3, (2, 7))
+    assert to_request({"ignore_eos": True}, [1], (2,), 60, "r").stop_token_ids == ()
+    assert to_request({}, [1], (2,), 60, "r").max_tokens == 60  # what is left of the sequence
+    with pytest.raises(RequestError, match=r"stop: .* up to 4 non-empty strings"):
+        to_request({"stop": ["a", ""]}, [1], (2,), 60, "r")
+
+
+def test_serve_flags_must_match_the_export():
+    from optimum_neuronx import NeuronConfig
+    from optimum_neuronx.server.options import check_export_flags
+
+    export = NeuronConfig(batch_size=4, sequence_length=64, context_buckets=[16], token_buckets=[32, 64],
+                          continuous_batching=True)
+    check_export_flags(export, None, None, None)
+    check_export_flags(export, 4, 64, 1)
+    with pytest.raises(ValueError, match=r"not compiled for --batch_size 8 \(compiled: 4\), --sequence_length 128 "
+                                         r"\(compiled: 64\): pass --batch_size 4 --sequence_length 64 "
+                                         r"--tensor_parallel_size 1"):
+        check_export_flags(export, 8, 128, None)
+    with pytest.raises(ValueError, match=r"re-export it with\s+--continuous_batching"):
+        check_export_flags(NeuronConfig(batch_size=4, sequence_length=64), None, None, None)
+
+
+def test_ray_serve_deployment_settings():
+    pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    from optimum_neuronx.server.ray_app import deployment
+
+    replicas = deployment("export-dir", {}, "name", replicas=2, batch_size=4, max_waiting=3, neuron_cores=2)
+    assert replicas.num_replicas == 2 and replicas.max_ongoing_requests == 4 + 3
+    assert replicas.max_queued_requests == 4
+    assert replicas.ray_actor_options == {"num_cpus": 1.0, "resources": {"neuron_cores": 2}}
+    config = replicas.backpressure_config
+    assert (config.status_code, config.retry_after_s) == (429, 1)
