@@ -173,12 +173,14 @@ class Engine:
 
     # ---- slots ----
 
-    def chunk(self, remaining: int) -> int:
-        """The tokens the next prefill chunk of a prompt with `remaining` tokens left takes."""
+    def chunk(self, remaining: int, limit: Optional[int] = None) -> int:
+        """The tokens the next prefill chunk of a prompt with `remaining` tokens left takes: as many as the largest
+        prefill graph takes, or with `limit` the largest that takes no more than `limit` (the smallest if none)."""
         if not self.prefill_sizes:
             raise ValueError("this export has no prefill graphs: re-export with continuous_batching=True to serve "
                              "requests in slots.")
-        return min(remaining, self.prefill_sizes[-1])
+        fitting = [size for size in self.prefill_sizes if limit is None or size <= limit]
+        return min(remaining, fitting[-1] if fitting else self.prefill_sizes[0])
 
     def prefill(self, slot: int, token_ids: torch.Tensor, sampling: Optional[torch.Tensor] = None):
         """A chunk of slot `slot`'s prompt (token_ids [k], k <= `chunk(...)`), written after the `lengths[slot]`
@@ -186,9 +188,9 @@ class Engine:
         None) for the chunk's last token, or (None, token [1]) where the graphs sample (`sampling` [1, 4], greedy if
         None)."""
         start, k = self.lengths[slot], token_ids.shape[0]
-        if k > self.chunk(k) or start + k > self.neuron_config.sequence_length:
+        if k > self.prefill_sizes[-1] or start + k > self.neuron_config.sequence_length:
             raise ValueError(f"a prefill chunk of {k} tokens after {start} does not fit: chunks take at most "
-                             f"{self.chunk(k)} tokens and the cache {self.neuron_config.sequence_length}.")
+                             f"{self.prefill_sizes[-1]} tokens and the cache {self.neuron_config.sequence_length}.")
         valid = self.cache.key_valid[slot]
         if start == 0:
             valid.zero_()

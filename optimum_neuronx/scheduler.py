@@ -19,6 +19,13 @@ from .engine import Engine
 from .modeling.sampling import MAX_TOP_K, sample_tokens
 
 
+def _pick(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Each row's next token from its logits on the host (greedy rows: argmax, without sampling's sorts)."""
+    if bool((rows[:, 2] <= 0).all()):
+        return logits.argmax(-1)
+    return sample_tokens(logits, rows)
+
+
 class QueueFull(Exception):
     """More requests than the slots and the waiting queue hold."""
 
@@ -102,13 +109,14 @@ def check_request(request: Request, sequence_length: int, vocab_size: int) -> No
 
 class Scheduler:
     """One engine's requests. `max_waiting`: requests that may wait for a slot (beyond that `add` raises QueueFull);
-    `prefill_budget`: the most prompt tokens encoded per step (at least one chunk), so a long prompt is spread over
-    several steps while the other slots keep decoding."""
+    `prefill_budget`: while other slots decode, the most prompt tokens encoded between two of their steps (at least
+    one chunk; default: the smallest context bucket), so a long prompt is spread over several steps instead of
+    stalling them. With no slot decoding, prompts are encoded in the largest chunks."""
 
     def __init__(self, engine: Engine, tokenizer=None, max_waiting: int = 16, prefill_budget: Optional[int] = None):
         self.engine, self.tokenizer = engine, tokenizer
         self.max_waiting = max_waiting
-        self.prefill_budget = prefill_budget or engine.chunk(engine.neuron_config.sequence_length)
+        self.prefill_budget = prefill_budget or engine.chunk(engine.neuron_config.sequence_length, limit=1)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, _Running] = {}
         self._free = list(range(engine.slots))
@@ -154,23 +162,27 @@ class Scheduler:
                 # generate does alone); the next token comes from that prefill
                 run.encoding, run.prefilled = list(run.request.prompt) + run.generated, 0
                 self.engine.free(run.slot)
-        budget = self.prefill_budget
+        # while slots decode, their next step waits for the prefill: within the budget; else nothing waits
+        limit = self.prefill_budget if any(run.decoding for run in self.running.values()) else None
+        budget = limit if limit is not None else float("inf")
         for run in list(self.running.values()):
             while not run.decoding and budget > 0:
-                budget -= self._prefill(run, outputs)
+                budget -= self._prefill(run, outputs, None if limit is None else int(min(budget, limit)))
         decoding = [run for run in self.running.values() if run.decoding and run.next_token is not None]
         if decoding:
             rows = torch.cat([run.request.sampling_row(run.generator, self.engine.vocab_size) for run in decoding])
             logits, tokens = self.engine.step([run.slot for run in decoding], [run.next_token for run in decoding],
                                               rows)
-            picked = tokens if tokens is not None else sample_tokens(logits, rows)
+            picked = tokens if tokens is not None else _pick(logits, rows)
             for run, token in zip(decoding, picked.tolist()):
                 self._emit(run, token, outputs)
         return outputs
 
-    def _prefill(self, run: _Running, outputs: list[Output]) -> int:
+    def _prefill(self, run: _Running, outputs: list[Output], limit: Optional[int]) -> int:
         sequence, after = run.encoding, self.engine.rope_long_after
-        k = self.engine.chunk(len(sequence) - run.prefilled)
+        if after and len(sequence) > after:  # LongRoPE: a sequence past the switch is encoded in one pass
+            limit = None
+        k = self.engine.chunk(len(sequence) - run.prefilled, limit)
         if after and len(sequence) > after and k < len(sequence):
             raise ValueError(f"a sequence of {len(sequence)} tokens passes this model's LongRoPE switch ({after}) and "
                              f"must be encoded in one pass, but prefill chunks take {k}: re-export with "
@@ -182,7 +194,7 @@ class Scheduler:
         run.prefilled += k
         run.long_rope = bool(after) and len(sequence) > after
         if last:
-            token = tokens if tokens is not None else sample_tokens(logits, row)
+            token = tokens if tokens is not None else _pick(logits, row)
             self._emit(run, int(token[0]), outputs)
         return k
 

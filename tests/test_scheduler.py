@@ -25,8 +25,8 @@ class ScriptedEngine:
         self.lengths = [0] * slots
         self.scripts, self.calls, self._next = scripts, [], {}
 
-    def chunk(self, remaining: int) -> int:
-        return min(remaining, CHUNK)
+    def chunk(self, remaining: int, limit=None) -> int:
+        return min(remaining, CHUNK if limit is None else max(min(limit, CHUNK), 4))
 
     def _logits(self, slot: int) -> torch.Tensor:
         logits = torch.zeros(1, VOCAB)
@@ -86,6 +86,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
     assert [calls[i][2] for i in long_chunks] == [8, 8, 8, 7]
     # every chunk of the long prompt is followed by a decode step of the short request: it never waits for all four
     assert all(calls[i + 1][0] == "step" and 0 in calls[i + 1][1] for i in long_chunks[:3])
+
+
+def test_with_no_slot_decoding_a_prompt_is_encoded_in_the_largest_chunks_at_once():
+    engine = ScriptedEngine({22: [70] * 4})
+    scheduler = Scheduler(engine, prefill_budget=4)
+    scheduler.add(Request([22] + [3] * 20, 2, "alone"))
+    scheduler.step()
+    assert engine.calls[1:4] == [("prefill", 0, 8), ("prefill", 0, 8), ("prefill", 0, 5)]  # nobody waits on it
 
 
 def test_cancellation_frees_the_slot_and_a_waiting_request_takes_it():
@@ -174,3 +182,16 @@ def test_ray_serve_deployment_settings():
     assert replicas.ray_actor_options == {"num_cpus": 1.0, "resources": {"neuron_cores": 2}}
     config = replicas.backpressure_config
     assert (config.status_code, config.retry_after_s) == (429, 1)
+
+
+def test_serve_help_matches_docs():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run([sys.executable, "-m", "optimum_neuronx.serve", "--help"], capture_output=True, text=True,
+                            env={**os.environ, "COLUMNS": "80"}, timeout=120)
+    assert result.returncode == 0
+    documented = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    assert result.stdout.replace("python -m optimum_neuronx.serve", "optimum-cli neuron serve").strip() in documented
