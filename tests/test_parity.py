@@ -396,7 +396,7 @@ def test_wide_batch_long_prompts_and_another_cache_length_match_eager(compiled_m
       weights packed at load;
     - prompts left-padded into a context bucket of 1.75 attention blocks: the context graph's attention runs in a
       full block and a shorter one, one row's padding fills the first block, another spans both;
-    - the graph names of the shared llama export (context_16, token_32) with another KV-cache length: without a fresh
+    - a graph name of the shared llama export (token_32) with another KV-cache length: without a fresh
       build directory per graph AOTInductor (keyed by the FX code, not shapes) silently reused the S=64 kernels."""
     import json
 

@@ -32,15 +32,16 @@ def speculative(tiny_checkpoint):
 
     # the ids input each compiled graph takes, [batch, tokens], read before the calls are wrapped
     model.ids_shapes = {name: graph.input_signature[0][0] for name, graph in model._graphs.items()}
-    model._graphs = {name: counted(name, graph) for name, graph in model._graphs.items()}
+    model._engine.graphs = {name: counted(name, graph) for name, graph in model._graphs.items()}  # it calls them
     model.graph_calls = calls
     return model
 
 
 def test_export_has_a_verification_graph_per_token_bucket(speculative):
-    assert sorted(speculative._graphs) == ["context_16", "token_32", "token_64", "verify_32", "verify_64"]
+    # (continuous batching: the context bucket is a one-row prefill graph)
+    assert sorted(speculative._graphs) == ["prefill_16", "token_32", "token_64", "verify_32", "verify_64"]
     # each verification graph, as compiled, takes the last accepted token and SPECULATION drafted ones in one pass
-    assert speculative.ids_shapes == {"context_16": [1, 16], "token_32": [1, 1], "token_64": [1, 1],
+    assert speculative.ids_shapes == {"prefill_16": [1, 16], "token_32": [1, 1], "token_64": [1, 1],
                                       "verify_32": [1, SPECULATION + 1], "verify_64": [1, SPECULATION + 1]}
 
 
