@@ -103,8 +103,10 @@ def check_request(request: Request, sequence_length: int, vocab_size: int) -> No
                          f"no top-k).")
     if not 0.0 < request.top_p <= 1.0:
         raise ValueError(f"top_p: {request.top_p}; it must be in (0, 1].")
-    if request.temperature < 0:
-        raise ValueError(f"temperature: {request.temperature}; it must be >= 0 (0: greedy).")
+    if not 0 <= request.temperature < float("inf"):
+        raise ValueError(f"temperature: {request.temperature}; it must be a finite number >= 0 (0: greedy).")
+    if request.seed is not None and not 0 <= request.seed < 1 << 63:
+        raise ValueError(f"seed: {request.seed}; it must be between 0 and 2**63 - 1.")
 
 
 class Scheduler:

@@ -154,6 +154,17 @@ def test_protocol_fields():
     assert to_request({}, [1], (2,), 60, "r").max_tokens == 60  # what is left of the sequence
     with pytest.raises(RequestError, match=r"stop: .* up to 4 non-empty strings"):
         to_request({"stop": ["a", ""]}, [1], (2,), 60, "r")
+    # what a hostile client might send: each refused naming the field and the limit, before it reaches the engine
+    for body, message in (({"stop": "x" * 513}, r"stop: .* of at most 512 characters"),
+                          ({"stop_token_ids": list(range(65))}, r"stop_token_ids: .* at most 64 token ids"),
+                          ({"seed": 1 << 70}, r"seed: .* it must be between 0 and 9223372036854775807"),
+                          ({"seed": -1}, r"seed: -1; it must be between 0"),
+                          ({"temperature": float("nan")}, r"temperature: nan is not a finite number"),
+                          ({"max_tokens": 2.5}, r"max_tokens: 2.5 is not an integer")):
+        with pytest.raises(RequestError, match=message):
+            to_request(body, [1], (2,), 60, "r")
+    with pytest.raises(ValueError, match=r"temperature: inf; it must be a finite number >= 0"):
+        check_request(Request([5], 4, temperature=float("inf")), SEQUENCE, VOCAB)
 
 
 def test_serve_flags_must_match_the_export():

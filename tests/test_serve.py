@@ -231,6 +231,8 @@ def test_past_the_slots_and_queue_requests_get_429_with_retry_after(server):
     (dict(extra_body={"top_k": -2}), "top_k", ">= -1"),
     (dict(temperature=3), "temperature", "between 0 and 2"),
     (dict(prompt=[5, 300]), "prompt", "vocabulary (0 to 255)"),
+    (dict(seed=-3), "seed", "between 0 and"),
+    (dict(stop=["x" * 600]), "stop", "at most 512 characters"),
 ])
 def test_bad_requests_get_400_naming_the_field_and_the_limit(server, options, field, named):
     client = server.client()
@@ -239,6 +241,18 @@ def test_bad_requests_get_400_naming_the_field_and_the_limit(server, options, fi
         client.completions.create(**arguments)
     assert named in refused.value.message and refused.value.body["param"] == field
     assert _complete(client, "hi", 2).choices  # still serving
+
+
+def test_bodies_past_the_limit_get_413_and_the_server_keeps_serving(server):
+    from optimum_neuronx.server.protocol import MAX_BODY_BYTES
+
+    huge = b'{"model": "tiny-chat", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    reply = httpx.post(f"{server.url}/v1/completions", content=huge, headers={"content-type": "application/json"},
+                       timeout=60)
+    assert reply.status_code == 413 and "larger than this server takes" in reply.json()["error"]["message"]
+    reply = httpx.post(f"{server.url}/v1/completions", content=b"{not json", timeout=60)
+    assert reply.status_code == 400 and "not JSON" in reply.json()["error"]["message"]
+    assert _complete(server.client(), "hi", 2).choices
 
 
 def test_flags_an_export_was_not_compiled_for_are_refused(serve_export, tmp_path):

@@ -20,8 +20,8 @@ from sse_starlette import EventSourceResponse
 
 from ..scheduler import Output, Request, check_request
 from .metrics import ServerMetrics
-from .protocol import (RequestError, chat_body, check_fields, completion_body, error_body, new_id, now, to_request,
-                       usage)
+from .protocol import (MAX_BODY_BYTES, RequestError, chat_body, check_fields, completion_body, error_body, new_id,
+                       now, to_request, usage)
 from .worker import EngineProcess
 
 logger = logging.getLogger(__name__)
@@ -158,8 +158,18 @@ def build_app(client: EngineClient, served_model_name: str, info: dict) -> FastA
                                             "owned_by": "optimum-neuronx", "max_model_len": sequence_length}]}
 
     async def body_of(http_request: HttpRequest, chat: bool) -> dict:
+        declared = http_request.headers.get("content-length", "0")
+        if not declared.isdigit() or int(declared) > MAX_BODY_BYTES:
+            raise RequestError(f"the request body ({declared} bytes) is larger than this server takes "
+                               f"({MAX_BODY_BYTES} bytes).", status=413)
+        raw = bytearray()
+        async for part in http_request.stream():  # a body sent without its length is cut off at the limit too
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise RequestError(f"the request body is larger than this server takes ({MAX_BODY_BYTES} bytes).",
+                                   status=413)
         try:
-            body = await http_request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RequestError("the request body is not JSON.") from None
         body = check_fields(body, chat)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, Optional
@@ -31,12 +32,20 @@ _TAKEN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
 
 
+# Limits on what a request may carry: a request body, one stop string, the extra stop token ids, a seed.
+MAX_BODY_BYTES = 8 << 20
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = (1 << 63) - 1
+
+
 def _number(body: dict, name: str, default, kind=float, low=None, high=None):
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise RequestError(f"{name}: {value!r} is not {'an integer' if kind is int else 'a number'}.", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)) \
+            or not math.isfinite(value):
+        raise RequestError(f"{name}: {value!r} is not {'an integer' if kind is int else 'a finite number'}.", name)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"between {low} and {high}"
         raise RequestError(f"{name}: {value!r}; it must be {bounds}.", name)
@@ -71,15 +80,16 @@ def to_request(body: dict, prompt_ids: list[int], eos_token_ids: tuple[int, ...]
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
-                             or len(stop) > 4):
-        raise RequestError(f"stop: {stop!r}; give a string or a list of up to 4 non-empty strings.", "stop")
+                             or len(stop) > 4 or any(len(s) > MAX_STOP_CHARS for s in stop)):
+        raise RequestError(f"stop: {str(stop)[:100]!r}; give a string or a list of up to 4 non-empty strings of at "
+                           f"most {MAX_STOP_CHARS} characters.", "stop")
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise RequestError(f"stop_token_ids: {stop_ids!r}; give a list of token ids.", "stop_token_ids")
+    if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS or \
+            not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise RequestError(f"stop_token_ids: {str(stop_ids)[:100]}; give a list of at most {MAX_STOP_TOKEN_IDS} "
+                           f"token ids.", "stop_token_ids")
     top_k = _number(body, "top_k", 0, int, low=-1)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError(f"seed: {seed!r} is not an integer.", "seed")
+    seed = _number(body, "seed", None, int, low=0, high=MAX_SEED)
     eos = () if body.get("ignore_eos") else tuple(eos_token_ids)
     return Request(prompt=prompt_ids, max_tokens=max_tokens, request_id=request_id,
                    temperature=_number(body, "temperature", 1.0, low=0, high=2),
@@ -115,7 +125,8 @@ def chat_body(request_id: str, model: str, text: str, finish: Optional[str], cre
 
 
 def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
-    kinds = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+    kinds = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError", 429: "RateLimitError",
+             503: "ServiceUnavailableError"}
     return {"error": {"message": message, "type": kinds.get(status, "InternalServerError"), "param": param,
                       "code": status}}
 

@@ -65,8 +65,8 @@ def _engine_main(model: str, options: dict, max_waiting: Optional[int], prefill_
                     scheduler.add(request)
                 except QueueFull as err:
                     results.put(("rejected", request.request_id, "busy", str(err)))
-                except ValueError as err:
-                    results.put(("rejected", request.request_id, "invalid", str(err)))
+                except Exception as err:  # (ValueError: what check_request refuses) a request never stops the engine
+                    results.put(("rejected", request.request_id, "invalid", f"{err}"))
             try:
                 message = requests.get_nowait()
             except queue.Empty:
