@@ -173,12 +173,20 @@ class Engine:
 
     # ---- slots ----
 
-    def chunk(self, remaining: int, limit: Optional[int] = None) -> int:
-        """The tokens the next prefill chunk of a prompt with `remaining` tokens left takes: as many as the largest
-        prefill graph takes, or with `limit` the largest that takes no more than `limit` (the smallest if none)."""
+    def chunk(self, remaining: int, limit: Optional[int] = None, total: int = 0) -> int:
+        """The tokens the next prefill chunk of a sequence of `total` tokens, `remaining` of them left, takes: as many
+        as the largest prefill graph takes, or with `limit` the largest that takes no more than `limit` (the smallest
+        if none). LongRoPE: a sequence past the switch is encoded in one pass with the long frequencies (no limit)."""
         if not self.prefill_sizes:
             raise ValueError("this export has no prefill graphs: re-export with continuous_batching=True to serve "
                              "requests in slots.")
+        if self.rope_long_after and total > self.rope_long_after:
+            if total > self.prefill_sizes[-1]:
+                raise ValueError(f"a sequence of {total} tokens passes this model's LongRoPE switch "
+                                 f"({self.rope_long_after}) and must be encoded in one pass with the long "
+                                 f"frequencies, but the largest prefill graph takes {self.prefill_sizes[-1]}: "
+                                 f"re-export with context_buckets including {total}.")
+            limit = None
         fitting = [size for size in self.prefill_sizes if limit is None or size <= limit]
         return min(remaining, fitting[-1] if fitting else self.prefill_sizes[0])
 
@@ -202,13 +210,8 @@ class Engine:
     def _prefill_row(self, row: int, ids: torch.Tensor, positions: torch.Tensor, last: int, sampling: tuple):
         """A static batch's row (its padding where key_valid says), in chunks: the outputs at its token `last`."""
         n, start, outputs = ids.shape[0], 0, None
-        sizes = self.prefill_sizes
-        if self.rope_long_after and n > sizes[-1] and n > self.rope_long_after:
-            raise ValueError(f"a sequence of {n} tokens passes this model's LongRoPE switch ({self.rope_long_after}) "
-                             f"and must be encoded in one pass with the long frequencies, but the largest prefill "
-                             f"graph takes {sizes[-1]}: re-export with context_buckets including {n}.")
         while start < n:
-            k = self.chunk(n - start)
+            k = self.chunk(n - start, total=n)
             out = self._prefill_chunk(row, ids[start:start + k], positions[start:start + k], start,
                                       min(max(last - start, 0), k - 1), *sampling)
             if start <= last < start + k:
@@ -237,11 +240,9 @@ class Engine:
         greedy where None): then no logits leave the device."""
         nc, cache, step = self.neuron_config, self.cache, self._step
         window = token_bucket(max(self.lengths[s] for s in slots), nc.token_buckets)
-        last = nc.sequence_length - 1
-        for row in range(nc.batch_size):  # idle rows: their own next slot (the cache's last if full)
-            step.slot[row] = min(self.lengths[row], last)
+        # every row writes at its own next slot: idle ones too (the cache's last if full), which they rewrite
+        step.slot.copy_(torch.tensor(self.lengths).clamp(max=nc.sequence_length - 1))
         index = torch.tensor(slots)
-        step.slot[index] = torch.tensor([self.lengths[s] for s in slots])
         step.ids[index, 0] = torch.tensor(token_ids)
         step.positions[:, 0] = step.slot
         cache.key_valid[index, step.slot[index]] = True

@@ -182,13 +182,7 @@ class Scheduler:
 
     def _prefill(self, run: _Running, outputs: list[Output], limit: Optional[int]) -> int:
         sequence, after = run.encoding, self.engine.rope_long_after
-        if after and len(sequence) > after:  # LongRoPE: a sequence past the switch is encoded in one pass
-            limit = None
-        k = self.engine.chunk(len(sequence) - run.prefilled, limit)
-        if after and len(sequence) > after and k < len(sequence):
-            raise ValueError(f"a sequence of {len(sequence)} tokens passes this model's LongRoPE switch ({after}) and "
-                             f"must be encoded in one pass, but prefill chunks take {k}: re-export with "
-                             f"context_buckets including {self.engine.neuron_config.sequence_length}.")
+        k = self.engine.chunk(len(sequence) - run.prefilled, limit, total=len(sequence))
         ids = torch.tensor(sequence[run.prefilled:run.prefilled + k], dtype=torch.long)
         last = run.prefilled + k == len(sequence)
         row = run.request.sampling_row(run.generator, self.engine.vocab_size) if last else None

@@ -25,7 +25,7 @@ class ScriptedEngine:
         self.lengths = [0] * slots
         self.scripts, self.calls, self._next = scripts, [], {}
 
-    def chunk(self, remaining: int, limit=None) -> int:
+    def chunk(self, remaining: int, limit=None, total: int = 0) -> int:
         return min(remaining, CHUNK if limit is None else max(min(limit, CHUNK), 4))
 
     def _logits(self, slot: int) -> torch.Tensor:
