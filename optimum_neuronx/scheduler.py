@@ -26,6 +26,17 @@ def _pick(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return sample_tokens(logits, rows)
 
 
+MAX_SEED = (1 << 63) - 1  # torch generators take 64-bit seeds
+
+
+class InvalidRequest(ValueError):
+    """A request no export of these shapes can serve: `field` is the request field at fault (OpenAI's `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class QueueFull(Exception):
     """More requests than the slots and the waiting queue hold."""
 
@@ -84,29 +95,32 @@ class _Running:
 
 
 def check_request(request: Request, sequence_length: int, vocab_size: int) -> None:
-    """Raise ValueError naming the field and the limit where `request` cannot be served by an export of
+    """Raise InvalidRequest naming the field and the limit where `request` cannot be served by an export of
     `sequence_length` and `vocab_size`."""
     prompt = len(request.prompt)
     if not prompt:
-        raise ValueError("prompt: empty; a request needs at least one token.")
+        raise InvalidRequest("prompt", "prompt: empty; a request needs at least one token.")
     if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-        raise ValueError(f"max_tokens: {request.max_tokens!r}; it must be an integer >= 1.")
+        raise InvalidRequest("max_tokens", f"max_tokens: {request.max_tokens!r}; it must be an integer >= 1.")
     if prompt + request.max_tokens > sequence_length:
-        raise ValueError(f"max_tokens: {request.max_tokens} after a prompt of {prompt} tokens makes "
-                         f"{prompt + request.max_tokens}, more than this model's sequence_length ({sequence_length}): "
-                         f"use max_tokens <= {max(sequence_length - prompt, 0)} or a shorter prompt.")
+        raise InvalidRequest("max_tokens", f"max_tokens: {request.max_tokens} after a prompt of {prompt} tokens "
+                             f"makes {prompt + request.max_tokens}, more than this model's sequence_length "
+                             f"({sequence_length}): use max_tokens <= {max(sequence_length - prompt, 0)} or a "
+                             f"shorter prompt.")
     bad = [t for t in request.prompt if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (0 to {vocab_size - 1}).")
+        raise InvalidRequest("prompt", f"prompt: token id {bad[0]} is outside the vocabulary (0 to "
+                                       f"{vocab_size - 1}).")
     if request.top_k < 0 or MAX_TOP_K < request.top_k < vocab_size:
-        raise ValueError(f"top_k: {request.top_k}; this server samples among at most {MAX_TOP_K} tokens (0 or -1: "
-                         f"no top-k).")
+        raise InvalidRequest("top_k", f"top_k: {request.top_k}; this server samples among at most {MAX_TOP_K} "
+                                      f"tokens (0 or -1: no top-k).")
     if not 0.0 < request.top_p <= 1.0:
-        raise ValueError(f"top_p: {request.top_p}; it must be in (0, 1].")
+        raise InvalidRequest("top_p", f"top_p: {request.top_p}; it must be in (0, 1].")
     if not 0 <= request.temperature < float("inf"):
-        raise ValueError(f"temperature: {request.temperature}; it must be a finite number >= 0 (0: greedy).")
-    if request.seed is not None and not 0 <= request.seed < 1 << 63:
-        raise ValueError(f"seed: {request.seed}; it must be between 0 and 2**63 - 1.")
+        raise InvalidRequest("temperature", f"temperature: {request.temperature}; it must be a finite number >= 0 "
+                                            f"(0: greedy).")
+    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+        raise InvalidRequest("seed", f"seed: {request.seed}; it must be between 0 and 2**63 - 1.")
 
 
 class Scheduler:

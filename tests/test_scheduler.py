@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from optimum_neuronx.scheduler import QueueFull, Request, Scheduler, check_request
+from optimum_neuronx.scheduler import InvalidRequest, QueueFull, Request, Scheduler, check_request
 from serving import byte_tokenizer
 
 VOCAB, SEQUENCE, CHUNK = 256, 64, 8
@@ -124,17 +124,18 @@ def test_seeded_requests_draw_the_same_tokens():
     assert greedy[0, 2] == 0 and sample_tokens(logits, greedy) == logits.argmax()
 
 
-@pytest.mark.parametrize("request_, message", [
-    (Request([5] * 30, 40), r"max_tokens: 40 after a prompt of 30 tokens makes 70, more than this model's "
+@pytest.mark.parametrize("request_, field, message", [
+    (Request([5] * 30, 40), "max_tokens", r"max_tokens: 40 after a prompt of 30 tokens makes 70, more than this model's "
                             r"sequence_length \(64\): use max_tokens <= 34"),
-    (Request([5, 300], 4), r"prompt: token id 300 is outside the vocabulary \(0 to 255\)"),
-    (Request([], 4), r"prompt: empty"),
-    (Request([5], 0), r"max_tokens: 0; it must be an integer >= 1"),
-    (Request([5], 4, top_p=0.0), r"top_p: 0.0; it must be in \(0, 1\]"),
+    (Request([5, 300], 4), "prompt", r"prompt: token id 300 is outside the vocabulary \(0 to 255\)"),
+    (Request([], 4), "prompt", r"prompt: empty"),
+    (Request([5], 0), "max_tokens", r"max_tokens: 0; it must be an integer >= 1"),
+    (Request([5], 4, top_p=0.0), "top_p", r"top_p: 0.0; it must be in \(0, 1\]"),
 ])
-def test_requests_the_export_cannot_serve_are_refused_naming_the_field(request_, message):
-    with pytest.raises(ValueError, match=message):
+def test_requests_the_export_cannot_serve_are_refused_naming_the_field(request_, field, message):
+    with pytest.raises(InvalidRequest, match=message) as refused:
         check_request(request_, SEQUENCE, VOCAB)
+    assert refused.value.field == field  # the server's 400 names it as `param`
 
 
 def test_protocol_fields():

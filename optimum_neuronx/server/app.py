@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
-from ..scheduler import Output, Request, check_request
+from ..scheduler import InvalidRequest, Output, Request, check_request
 from .metrics import ServerMetrics
 from .protocol import (MAX_BODY_BYTES, RequestError, chat_body, check_fields, completion_body, error_body, new_id,
                        now, to_request, usage)
@@ -64,7 +64,7 @@ class EngineClient:
             stream = self.streams.get(message[1])
             if stream is not None:
                 busy = message[2] == "busy"
-                stream.put_nowait(RequestError(message[3], None if busy else "prompt", 429 if busy else 400))
+                stream.put_nowait(RequestError(message[3], message[4], 429 if busy else 400))
         elif kind == "failed":
             self.failed = message[1]
             logger.error("engine failed: %s", message[1])
@@ -183,10 +183,8 @@ def build_app(client: EngineClient, served_model_name: str, info: dict) -> FastA
         request = to_request(body, prompt_ids, eos_token_ids, max(sequence_length - len(prompt_ids), 1), request_id)
         try:
             check_request(request, sequence_length, vocab_size)
-        except ValueError as err:
-            field = str(err).split(":", 1)[0].split(" ", 1)[0]
-            raise RequestError(str(err), field if field in ("prompt", "max_tokens", "top_k", "top_p",
-                                                            "temperature") else None) from None
+        except InvalidRequest as err:
+            raise RequestError(str(err), err.field) from None
         return request
 
     @app.post("/v1/completions")

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Optional
 
-from ..scheduler import Request
+from ..scheduler import MAX_SEED, Request
 
 
 class RequestError(ValueError):
@@ -32,11 +32,10 @@ _TAKEN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
 
 
-# Limits on what a request may carry: a request body, one stop string, the extra stop token ids, a seed.
+# Limits on what a request may carry: a request body, one stop string, the extra stop token ids.
 MAX_BODY_BYTES = 8 << 20
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 64
-MAX_SEED = (1 << 63) - 1
 
 
 def _number(body: dict, name: str, default, kind=float, low=None, high=None):

@@ -3,7 +3,7 @@ another process and never waits on one.
 
 The parent (`EngineProcess`) sends ("add", Request) / ("cancel", id) / ("stop",) over one queue; the child loads the
 model, runs the scheduler and sends back ("ready", info), ("outputs", [Output], stats) after every step,
-("rejected", id, kind, message) for a request it refuses, or ("failed", message). The child exits when its parent
+("rejected", id, kind, message, field) for a request it refuses, or ("failed", message). The child exits when its parent
 goes away, even killed (it watches the parent's pid), so no engine outlives its server.
 """
 
@@ -64,9 +64,9 @@ def _engine_main(model: str, options: dict, max_waiting: Optional[int], prefill_
                 try:
                     scheduler.add(request)
                 except QueueFull as err:
-                    results.put(("rejected", request.request_id, "busy", str(err)))
-                except Exception as err:  # (ValueError: what check_request refuses) a request never stops the engine
-                    results.put(("rejected", request.request_id, "invalid", f"{err}"))
+                    results.put(("rejected", request.request_id, "busy", str(err), None))
+                except Exception as err:  # (InvalidRequest: what check_request refuses) never stops the engine
+                    results.put(("rejected", request.request_id, "invalid", str(err), getattr(err, "field", None)))
             try:
                 message = requests.get_nowait()
             except queue.Empty:
