@@ -113,13 +113,10 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                  generation_config: Optional[GenerationConfig] = None, tmpdir=None):
         super().__init__(config)
         self.neuron_config = neuron_config
-        self._graphs = graphs
         self._weights = weights  # the compiled graphs point into these tensors: keep them alive
         self._artifact_dir = Path(artifact_dir)
         self._tmpdir = tmpdir  # owns the export directory of a model exported but not yet saved
         spec = get_export_config(config.model_type).decoder_spec(config, neuron_config)
-        self._vocab_size = spec.vocab_size
-        self._rope_long_after = spec.rope_long_after  # LongRoPE: the sequence is re-encoded when it passes this
         shape = spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length)
         kv = get_backend(neuron_config.backend).new_kv_cache(graphs, shape, neuron_config.torch_dtype)
         self._engine = Engine(graphs, neuron_config, spec, kv)  # the cache and every graph call
@@ -134,6 +131,15 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
             generation_config.cache_implementation = None
             generation_config.use_cache = True
             self.generation_config = generation_config
+
+    @property
+    def _graphs(self) -> dict:
+        """The loaded graphs, by name (the engine calls them)."""
+        return self._engine.graphs
+
+    @property
+    def _vocab_size(self) -> int:
+        return self._engine.vocab_size
 
     def _check_graph_inputs(self, kv_shape: tuple) -> None:
         """Refuse, at load, graphs compiled for other input shapes than this export's configs give (an export edited
@@ -405,7 +411,7 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
     # from then on. Wrapped: generate validates its keywords against this method's signature, which stays the base's.
     @functools.wraps(GenerationMixin.prepare_inputs_for_generation)
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
-        after = self._rope_long_after
+        after = self._engine.rope_long_after  # LongRoPE: the sequence is re-encoded when it passes this
         if after and input_ids.shape[1] >= after + 1:
             for name in ("cache", "past_key_values"):
                 handle = kwargs.get(name)
@@ -440,7 +446,8 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has "
                                  f"{tuple(input_ids.shape)}: pass the mask the tokenizer returned with the ids.")
             self._check_speculation(input_ids.shape[0], config, kwargs)
-            continuing = any(kwargs.get(name) is self._engine.handle is not None for name in ("cache", "past_key_values"))
+            handle = self._engine.handle
+            continuing = any(kwargs.get(name) is handle is not None for name in ("cache", "past_key_values"))
             fitted = self._fit_generation_length(input_ids.shape, config, truncate_to_sequence_length, continuing)
             if fitted is not None:
                 kwargs["max_new_tokens"] = fitted

@@ -8,7 +8,6 @@ responses or server-sent events. Admission is bounded: past the engine's slots p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -74,7 +73,7 @@ class EngineClient:
     async def generate(self, request: Request, http_request: Optional[HttpRequest] = None
                        ) -> AsyncIterator[Output]:
         """The outputs of `request` as the engine steps; cancelled if the client disconnects or the caller stops."""
-        if self.loop is None:  # (an app whose lifespan did not run, e.g. under some ASGI hosts)
+        if self.loop is None:  # the loop the outputs are handed to (nothing is sent before the first request)
             self.loop = asyncio.get_running_loop()
         if self.failed:
             raise RequestError(f"the engine failed: {self.failed}", status=503)
@@ -127,12 +126,7 @@ def build_app(client: EngineClient, served_model_name: str, info: dict) -> FastA
     tokenizer = AutoTokenizer.from_pretrained(info["directory"])
     sequence_length, vocab_size, eos_token_ids = info["sequence_length"], info["vocab_size"], info["eos_token_ids"]
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        client.loop = asyncio.get_running_loop()
-        yield
-
-    app = FastAPI(title="optimum-neuronx", lifespan=lifespan)
+    app = FastAPI(title="optimum-neuronx")
     app.state.client = client
 
     @app.exception_handler(RequestError)
