@@ -135,15 +135,32 @@ def _stream_times(client, prompt, max_tokens, record: dict, key: str):
 
 
 def test_a_late_request_gets_its_first_token_before_the_others_finish(server):
-    client, record = server.client(), {}
-    early = [threading.Thread(target=_stream_times, args=(client, [5 + i] * 8, 50, record, i)) for i in range(3)]
-    for thread in early:
-        thread.start()
-    while not all("first" in record.get(i, {}) for i in range(3)):
-        time.sleep(0.01)
-    _stream_times(client, [9, 9, 9], 3, record, "late")
-    for thread in early:
-        thread.join()
+    # The streams are read on one event loop, so each chunk is timed as it arrives (threads contending for the GIL
+    # would time some chunks late).
+    import asyncio
+
+    async def stream(client, prompt, max_tokens, times: dict):
+        chunks = await client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for chunk in chunks:
+            if chunk.choices and chunk.choices[0].text and "first" not in times:
+                times["first"] = time.monotonic()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                times["finish"] = chunk.choices[0].finish_reason
+        times["done"] = time.monotonic()
+
+    async def run() -> dict:
+        record = {i: {} for i in (0, 1, 2, "late")}
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=300) as client:
+            early = [asyncio.create_task(stream(client, [5 + i] * 8, 50, record[i])) for i in range(3)]
+            while not all("first" in record[i] for i in range(3)):
+                await asyncio.sleep(0.005)
+            await stream(client, [9, 9, 9], 3, record["late"])
+            await asyncio.gather(*early)
+        return record
+
+    record = asyncio.run(run())
     assert all(record[i]["finish"] == "length" for i in range(3))
     assert record["late"]["first"] < min(record[i]["done"] for i in range(3))
 
