@@ -86,7 +86,7 @@ BF16_EXPORT = dict(batch_size=2, sequence_length=32, context_buckets=[16], token
 # The real SmolLM2: float32 (smollm2_compiled, test_cli.py's CLI export, the neuron backend's), and int8 in bfloat16.
 SMOLLM2_EXPORT = dict(batch_size=2, sequence_length=128, context_buckets=[64], token_buckets=[128])
 # The serving tests' export (test_serve.py): 4 slots, prompts past 16 tokens prefilled in chunks.
-SERVE_EXPORT = dict(batch_size=4, sequence_length=64, context_buckets=[16], token_buckets=[32, 64],
+SERVE_EXPORT = dict(batch_size=4, sequence_length=256, context_buckets=[16], token_buckets=[32, 256],
                     continuous_batching=True)
 SMOLLM2_INT8_EXPORT = dict(batch_size=2, sequence_length=256, context_buckets=[256], token_buckets=[256],
                            auto_cast_type="bf16", quantization="int8")

@@ -136,7 +136,8 @@ def _stream_times(client, prompt, max_tokens, record: dict, key: str):
 
 def test_a_late_request_gets_its_first_token_before_the_others_finish(server):
     # The streams are read on one event loop, so each chunk is timed as it arrives (threads contending for the GIL
-    # would time some chunks late).
+    # would time some chunks late); the early requests decode 200 steps, so a busy machine delaying the late
+    # request's round trip cannot let them finish first.
     import asyncio
 
     async def stream(client, prompt, max_tokens, times: dict):
@@ -153,7 +154,7 @@ def test_a_late_request_gets_its_first_token_before_the_others_finish(server):
         record = {i: {} for i in (0, 1, 2, "late")}
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                       timeout=300) as client:
-            early = [asyncio.create_task(stream(client, [5 + i] * 8, 50, record[i])) for i in range(3)]
+            early = [asyncio.create_task(stream(client, [5 + i] * 8, 200, record[i])) for i in range(3)]
             while not all("first" in record[i] for i in range(3)):
                 await asyncio.sleep(0.005)
             await stream(client, [9, 9, 9], 3, record["late"])
@@ -241,7 +242,7 @@ def test_past_the_slots_and_queue_requests_get_429_with_retry_after(server):
 
 
 @pytest.mark.parametrize("options, field, named", [
-    (dict(prompt=[5] * 30, max_tokens=40), "max_tokens", "sequence_length (64)"),
+    (dict(prompt=[5] * 200, max_tokens=60), "max_tokens", "sequence_length (256)"),
     (dict(model="other"), "model", "tiny-chat"),
     (dict(n=2), "n", "n=1 only"),
     (dict(logprobs=2), "logprobs", "not supported"),
@@ -279,7 +280,7 @@ def test_flags_an_export_was_not_compiled_for_are_refused(serve_export, tmp_path
                             text=True, timeout=300)
     assert result.returncode == 2
     assert "--batch_size 8 (compiled: 4)" in result.stderr
-    assert "--batch_size 4 --sequence_length 64 --tensor_parallel_size 1" in result.stderr
+    assert "--batch_size 4 --sequence_length 256 --tensor_parallel_size 1" in result.stderr
     static = tmp_path / "static"  # an export without prefill graphs: only its neuron_config.json is read
     static.mkdir()
     meta = json.loads((serve_export / "neuron_config.json").read_text())
