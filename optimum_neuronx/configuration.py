@@ -128,7 +128,9 @@ def normalize_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
 class GraphSpec:
     """One compiled graph: `tokens` new tokens per sequence attending to `window` cache slots."""
 
-    kind: str  # "context" (prefill), "token" (decode), "verify" (speculation) or "prefill" (one row, chunked)
+    # "context" (prefill), "token" (decode), "verify" (speculation), "prefill" (one row, chunked) or "fused" (a token
+    # for every row and a prefill chunk of `tokens` for one row, in one call)
+    kind: str
     tokens: int
     window: int
 
@@ -138,8 +140,9 @@ class GraphSpec:
         return f"{self.kind}_{self.tokens if self.kind == 'prefill' else self.window}"
 
     def rows(self, batch_size: int) -> int:
-        """The rows the graph runs, in an export of `batch_size`: a prefill graph encodes one row of the cache."""
-        return 1 if self.kind == "prefill" else batch_size
+        """The rows the graph runs, in an export of `batch_size`: a prefill graph encodes one row of the cache, a
+        fused graph runs one row of all its tokens (`batch_size` of them, then the chunk)."""
+        return 1 if self.kind in ("prefill", "fused") else batch_size
 
     def samples(self, on_device_sampling: bool) -> bool:
         """Whether this graph picks tokens too, in an export with `on_device_sampling` (verification graphs never)."""
@@ -187,7 +190,9 @@ class NeuronConfig:
     on_device_sampling: bool = False
     # Rows served independently (optimum-neuron's name): each context bucket becomes a prefill graph that encodes
     # one row of the cache, in chunks from any slot (a prompt longer than the largest bucket too), and the token
-    # graphs write each row at its own position, so requests join and leave the batch at any step (engine.py).
+    # graphs write each row at its own position, so requests join and leave the batch at any step (engine.py); with
+    # batch_size > 1, a fused graph per token bucket also decodes every row and prefills a chunk of the smallest
+    # context bucket in one call, reading the weights once for both.
     continuous_batching: bool = False
 
     def __post_init__(self):
@@ -271,14 +276,19 @@ class NeuronConfig:
     def graphs(self) -> list[GraphSpec]:
         """Every graph of an export: one context-encoding graph per context bucket (a one-row prefill graph with
         continuous_batching), one token graph per token bucket,
-        and with speculation_length one verification graph per token bucket wider than a verification pass."""
+        and with speculation_length one verification graph per token bucket wider than a verification pass; with
+        continuous_batching and several rows, one fused graph per token bucket at least as wide as the smallest
+        context bucket (its chunk size)."""
         contexts = [GraphSpec("prefill", size, self.sequence_length) if self.continuous_batching
                     else GraphSpec("context", size, size) for size in self.context_buckets]
         tokens = [GraphSpec("token", 1, size) for size in self.token_buckets]
         width = self.speculation_length + 1  # a verification pass: the last accepted token and the drafted ones
         verify = [GraphSpec("verify", width, size) for size in self.token_buckets if size > width] \
             if self.speculation_length else []
-        return contexts + tokens + verify
+        chunk = self.context_buckets[0]
+        fused = [GraphSpec("fused", chunk, size) for size in self.token_buckets if size >= chunk] \
+            if self.continuous_batching and self.batch_size > 1 else []
+        return contexts + tokens + verify + fused
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -5,8 +5,9 @@ Two ways to drive it:
 * a static batch (Transformers' generate through `NeuronModelForCausalLM.forward`): `encode` every row's prompt, then
   `decode` / `verify` new tokens for all rows at one shared length (`handle.length`), rows left-padded;
 * slots (continuous batching, scheduler.py): `prefill` one row's prompt chunk by chunk from slot 0, `step` one token
-  for any set of rows, each at its own length, `free` a row for the next request. Exports with continuous_batching
-  have the one-row prefill graphs this needs; their token graphs serve both ways.
+  for any set of rows, each at its own length, `fused_step` both at once (a step and one chunk, the weights read
+  once), `free` a row for the next request. Exports with continuous_batching have the one-row prefill and fused
+  graphs this needs; their token graphs serve both ways.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Engine:
         self.sampler = None  # (top_k, top_p, temperature) while a generate is served by on-device sampling
         self._step = DecodeStepInputs(nc.batch_size)
         self.prefill_sizes = tuple(g.tokens for g in nc.graphs() if g.kind == "prefill")
+        fused = [g for g in nc.graphs() if g.kind == "fused"]
+        self.fused_chunk = fused[0].tokens if fused else 0  # the most tokens a chunk fused into a step takes
+        self._fused_windows = tuple(g.window for g in fused)
         self.lengths = [0] * nc.batch_size  # tokens each slot holds (slots)
 
     @property
@@ -199,13 +203,17 @@ class Engine:
         if k > self.prefill_sizes[-1] or start + k > self.neuron_config.sequence_length:
             raise ValueError(f"a prefill chunk of {k} tokens after {start} does not fit: chunks take at most "
                              f"{self.prefill_sizes[-1]} tokens and the cache {self.neuron_config.sequence_length}.")
+        self._mark_chunk(slot, start, k)
+        out = self._prefill_chunk(slot, token_ids, torch.arange(start, start + k), start, k - 1, sampling)
+        self.lengths[slot] = start + k
+        return self._logits_or_tokens(out)
+
+    def _mark_chunk(self, slot: int, start: int, k: int) -> None:
+        """key_valid of a chunk of k tokens written into `slot` from `start` (0: the row starts afresh)."""
         valid = self.cache.key_valid[slot]
         if start == 0:
             valid.zero_()
         valid[start:start + k] = True
-        out = self._prefill_chunk(slot, token_ids, torch.arange(start, start + k), start, k - 1, sampling)
-        self.lengths[slot] = start + k
-        return self._logits_or_tokens(out)
 
     def _prefill_row(self, row: int, ids: torch.Tensor, positions: torch.Tensor, last: int, sampling: tuple):
         """A static batch's row (its padding where key_valid says), in chunks: the outputs at its token `last`."""
@@ -221,25 +229,70 @@ class Engine:
 
     def _prefill_chunk(self, row: int, ids: torch.Tensor, positions: torch.Tensor, start: int, last: int,
                        sampling: Optional[torch.Tensor] = None):
+        size = next(s for s in self.prefill_sizes if s >= ids.shape[0])
+        return self.graphs[f"prefill_{size}"](self._chunk_inputs(row, ids, positions, start, last, sampling, size,
+                                                                 self.neuron_config.sequence_length))
+
+    def _chunk_inputs(self, row: int, ids: torch.Tensor, positions: torch.Tensor, start: int, last: int,
+                      sampling: Optional[torch.Tensor], size: int, window: int) -> list:
+        """A one-row graph's inputs for a chunk of `row` (ids [k], padded to `size`) over `window` cache slots."""
         k = ids.shape[0]
-        size = next(s for s in self.prefill_sizes if s >= k)
         padded_ids = torch.zeros(1, size, dtype=torch.long)
         padded_ids[0, :k] = ids
         padded_positions = torch.arange(size)[None] + int(positions[-1]) - (k - 1)
         padded_positions[0, :k] = positions
-        inputs = [padded_ids, padded_positions, torch.tensor([start]), self.cache.key_valid[row][None].clone(),
+        inputs = [padded_ids, padded_positions, torch.tensor([start]), self.cache.key_valid[row, :window][None].clone(),
                   torch.tensor([last]), self.cache.kv, torch.tensor([row])]
         if self.neuron_config.on_device_sampling:
             inputs.append(sampling if sampling is not None else torch.zeros(1, len(SAMPLING_FIELDS)))
-        return self.graphs[f"prefill_{size}"](inputs)
+        return inputs
 
     def step(self, slots: list[int], token_ids: list[int], sampling: Optional[torch.Tensor] = None):
         """One new token for each of `slots` (token_ids, in the same order), each written after what its slot holds;
         the other rows write only their own next slot, which they rewrite before reading. Returns (logits
         [len(slots), vocab], None), or (None, tokens [len(slots)]) where the graph samples (`sampling` [len, 4],
         greedy where None): then no logits leave the device."""
+        window = token_bucket(max(self.lengths[s] for s in slots), self.neuron_config.token_buckets)
+        out = self.graphs[f"token_{window}"](self._step_inputs(slots, token_ids, sampling, window))
+        for s in slots:
+            self.lengths[s] += 1
+        return self._logits_or_tokens(out, torch.tensor(slots))
+
+    def fused_window(self, slots: list[int], chunk_slot: int, k: int) -> Optional[int]:
+        """The window of the fused graph that can step `slots` and take a chunk of k tokens for `chunk_slot` in one
+        call, or None (no fused graphs, a chunk wider than theirs, or positions past their windows)."""
+        if not self.fused_chunk or k > self.fused_chunk:
+            return None
+        end = max(max(self.lengths[s] for s in slots), self.lengths[chunk_slot] + k - 1)
+        return next((window for window in self._fused_windows if window > end), None)
+
+    def fused_step(self, slots: list[int], token_ids: list[int], sampling: Optional[torch.Tensor],
+                   chunk_slot: int, chunk_ids: torch.Tensor, chunk_sampling: Optional[torch.Tensor] = None):
+        """`step(slots, token_ids, sampling)` and `prefill(chunk_slot, chunk_ids, chunk_sampling)` in one call of a
+        fused graph (`fused_window` must give one): the weights are read once for both. Returns the step's result
+        and the chunk's, each as those methods return them."""
+        start, k = self.lengths[chunk_slot], chunk_ids.shape[0]
+        window = self.fused_window(slots, chunk_slot, k)
+        if window is None:
+            raise ValueError(f"no fused graph steps slots {slots} with a chunk of {k} tokens after {start} in slot "
+                             f"{chunk_slot}: run step and prefill apart.")
+        self._mark_chunk(chunk_slot, start, k)
+        rows = self._step_inputs(slots, token_ids, sampling, window)
+        chunk = self._chunk_inputs(chunk_slot, chunk_ids, torch.arange(start, start + k), start, k - 1,
+                                   chunk_sampling, self.fused_chunk, window)
+        inputs = [torch.cat((rows[0].view(1, -1), chunk[0]), dim=1), torch.cat((rows[1].view(1, -1), chunk[1]), dim=1),
+                  *(torch.cat((a, b)) for a, b in zip(rows[2:5], chunk[2:5])), self.cache.kv,
+                  *(torch.cat((a, b)) for a, b in zip(rows[6:], chunk[6:]))]
+        out = self.graphs[f"fused_{window}"](inputs)
+        for s in slots:
+            self.lengths[s] += 1
+        self.lengths[chunk_slot] = start + k
+        return self._logits_or_tokens(out, torch.tensor(slots)), self._logits_or_tokens(out, torch.tensor([self.slots]))
+
+    def _step_inputs(self, slots: list[int], token_ids: list[int], sampling: Optional[torch.Tensor],
+                     window: int) -> list:
+        """A token graph's inputs stepping `slots` over `window` cache slots (key_valid set for their new tokens)."""
         nc, cache, step = self.neuron_config, self.cache, self._step
-        window = token_bucket(max(self.lengths[s] for s in slots), nc.token_buckets)
         # every row writes at its own next slot: idle ones too (the cache's last if full), which they rewrite
         step.slot.copy_(torch.tensor(self.lengths).clamp(max=nc.sequence_length - 1))
         index = torch.tensor(slots)
@@ -252,10 +305,7 @@ class Engine:
             if sampling is not None:
                 rows[index] = sampling
             inputs.append(rows)
-        out = self.graphs[f"token_{window}"](inputs)
-        for s in slots:
-            self.lengths[s] += 1
-        return self._logits_or_tokens(out, index)
+        return inputs
 
     def free(self, slot: int) -> None:
         """Slot `slot` holds nothing: the next prefill starts it from slot 0."""

@@ -178,35 +178,56 @@ class Scheduler:
                 # generate does alone); the next token comes from that prefill
                 run.encoding, run.prefilled = list(run.request.prompt) + run.generated, 0
                 self.engine.free(run.slot)
-        # while slots decode, their next step waits for the prefill: within the budget; else nothing waits
+        # while slots decode, their next step waits for the prefill: within the budget; else nothing waits. One chunk
+        # that a fused graph takes rides along with the decode step (one call: the weights read once for both).
         limit = self.prefill_budget if any(run.decoding for run in self.running.values()) else None
         budget = limit if limit is not None else float("inf")
+        fused = None  # (run, chunk ids, sampling row)
         for run in list(self.running.values()):
             while not run.decoding and budget > 0:
-                budget -= self._prefill(run, outputs, None if limit is None else int(min(budget, limit)))
+                ids, row = self._chunk(run, None if limit is None else int(min(budget, limit)))
+                budget -= len(ids)
+                if fused is None and limit is not None and len(ids) <= self.engine.fused_chunk:
+                    fused = (run, ids, row)
+                    break
+                self._prefilled(run, ids, row, self.engine.prefill(run.slot, ids, row), outputs)
         decoding = [run for run in self.running.values() if run.decoding and run.next_token is not None]
         if decoding:
             rows = torch.cat([run.request.sampling_row(run.generator, self.engine.vocab_size) for run in decoding])
-            logits, tokens = self.engine.step([run.slot for run in decoding], [run.next_token for run in decoding],
-                                              rows)
-            picked = tokens if tokens is not None else _pick(logits, rows)
+            slots, tokens = [run.slot for run in decoding], [run.next_token for run in decoding]
+            if fused is not None and self.engine.fused_window(slots, fused[0].slot, len(fused[1])):
+                (logits, picked), chunk = self.engine.fused_step(slots, tokens, rows, fused[0].slot, fused[1],
+                                                                  fused[2])
+                self._prefilled(*fused, chunk, outputs)
+                fused = None
+            else:
+                logits, picked = self.engine.step(slots, tokens, rows)
+            picked = picked if picked is not None else _pick(logits, rows)
             for run, token in zip(decoding, picked.tolist()):
                 self._emit(run, token, outputs)
+        if fused is not None:  # no fused graph takes it: the chunk alone
+            self._prefilled(*fused, self.engine.prefill(fused[0].slot, fused[1], fused[2]), outputs)
         return outputs
 
-    def _prefill(self, run: _Running, outputs: list[Output], limit: Optional[int]) -> int:
-        sequence, after = run.encoding, self.engine.rope_long_after
+    def _chunk(self, run: _Running, limit: Optional[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The next prefill chunk of `run` (ids) and, where it is the sequence's last, the sampling row of the token
+        it gives."""
+        sequence = run.encoding
         k = self.engine.chunk(len(sequence) - run.prefilled, limit, total=len(sequence))
         ids = torch.tensor(sequence[run.prefilled:run.prefilled + k], dtype=torch.long)
         last = run.prefilled + k == len(sequence)
-        row = run.request.sampling_row(run.generator, self.engine.vocab_size) if last else None
-        logits, tokens = self.engine.prefill(run.slot, ids, row)
-        run.prefilled += k
-        run.long_rope = bool(after) and len(sequence) > after
-        if last:
+        return ids, run.request.sampling_row(run.generator, self.engine.vocab_size) if last else None
+
+    def _prefilled(self, run: _Running, ids: torch.Tensor, row: Optional[torch.Tensor], result: tuple,
+                   outputs: list[Output]) -> None:
+        """Record the chunk `ids` of `run` as encoded, with the engine's (logits, tokens) `result` of it."""
+        logits, tokens = result
+        after = self.engine.rope_long_after
+        run.prefilled += len(ids)
+        run.long_rope = bool(after) and len(run.encoding) > after
+        if row is not None:
             token = tokens if tokens is not None else _pick(logits, row)
             self._emit(run, int(token[0]), outputs)
-        return k
 
     def _emit(self, run: _Running, token: int, outputs: list[Output]) -> None:
         """Record `token` for `run`: its output of this step, and its end where it stops."""

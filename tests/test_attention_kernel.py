@@ -9,7 +9,7 @@ import kernel_packages
 
 from optimum_neuronx.backends import get_backend
 from optimum_neuronx.backends.inductor.backend import X86_FEATURE_PROBES, cpu_has
-from optimum_neuronx.modeling.decoder import _additive
+from optimum_neuronx.modeling.attention import additive_mask
 from optimum_neuronx.backends.inductor.ops import decode_attention
 
 BACKEND = get_backend("inductor")
@@ -60,7 +60,7 @@ def _cases(dtype):
             cached[b, ..., :first] = cached[b, ..., last:] = False
             cached[b, ..., first] = cached[b, ..., last - 1] = True
             cache[:, b, :, :first] = cache[:, b, :, last:] = float("nan")
-        cases.append((q, cache, _additive(cached, dtype), new_kv, _additive(fresh_allowed, dtype)))
+        cases.append((q, cache, additive_mask(cached, dtype), new_kv, additive_mask(fresh_allowed, dtype)))
     return cases
 
 

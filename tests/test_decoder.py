@@ -249,3 +249,75 @@ def test_rows_prefilled_in_chunks_then_stepped_together_match_each_row_alone(ove
                 tokens[row].append(int(logits[row].argmax()))
                 lengths[row] += 1
     assert tokens == expected
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, dict(sliding_window=6),
+    dict(sliding_window=10, num_hidden_layers=4,
+         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
+], ids=["full-cache", "rings", "packed-rings"])
+def test_a_prompt_prefilled_in_fused_steps_while_other_rows_decode_matches_each_row_alone(overrides):
+    # The fused graph's inputs: one token for each cache row, then a chunk of 8 for one row, in one call. Rows 0 and
+    # 1 decode while row 2's prompt of 20 is prefilled in three such steps (row 2's own token is written at the
+    # chunk's first slot, which the chunk then overwrites); then all three decode together.
+    sequence, chunk, window = 32, 8, 32
+    decoder = _decoder(sequence=sequence, **overrides)
+    vocab = decoder.spec.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (n,), generator=generator) for n in (5, 11, 20)]
+
+    def alone(prompt: torch.Tensor, steps: int) -> list[int]:
+        cache, n = torch.zeros(decoder.spec.kv_cache_shape(1, sequence)), len(prompt)
+        valid = torch.ones(1, sequence, dtype=torch.bool)
+        logits = decoder(prompt[None], torch.arange(n)[None], torch.tensor([0]), valid[:, :n].clone(),
+                         torch.tensor([n - 1]), cache)
+        tokens = []
+        for i in range(steps):
+            tokens.append(int(logits.argmax()))
+            logits = decoder(torch.tensor([[tokens[-1]]]), torch.tensor([[n + i]]), torch.tensor([n + i]),
+                             valid.clone(), torch.tensor([0]), cache)
+        return tokens
+
+    rows = len(prompts)
+    cache = torch.zeros(decoder.spec.kv_cache_shape(rows, sequence))
+    valid = torch.zeros(rows, sequence, dtype=torch.bool)
+    lengths, tokens = [0] * rows, [[] for _ in range(rows)]
+    with torch.no_grad():
+        expected = [alone(p, 6 if row < 2 else 4) for row, p in enumerate(prompts)]
+        for row in (0, 1):  # each prompt in one chunk of its own
+            n = len(prompts[row])
+            valid[row, :n] = True
+            logits = decoder(prompts[row][None], torch.arange(n)[None], torch.tensor([0]), valid[row:row + 1].clone(),
+                             torch.tensor([n - 1]), cache, torch.tensor([row]))
+            tokens[row].append(int(logits.argmax()))
+            lengths[row] = n
+        prompt, start = prompts[2], 0
+        while start < len(prompt):  # rows 0 and 1 step while row 2 is prefilled
+            k = min(chunk, len(prompt) - start)
+            lengths[2] = start  # what the row holds: its own token's slot is the chunk's first
+            starts = torch.tensor(lengths)
+            valid[[0, 1], starts[:2]] = True
+            valid[2, start:start + k] = True
+            ids = torch.zeros(1, rows + chunk, dtype=torch.long)
+            ids[0, :2] = torch.tensor([tokens[0][-1], tokens[1][-1]])
+            ids[0, rows:rows + k] = prompt[start:start + k]
+            positions = torch.cat((starts, torch.arange(start, start + chunk)))[None]
+            logits = decoder(ids, positions, torch.cat((starts, torch.tensor([start]))),
+                             valid[[0, 1, 2, 2], :window].clone(), torch.tensor([0, 0, 0, k - 1]), cache,
+                             torch.tensor([0, 1, 2, 2]))
+            assert logits.shape == (rows + 1, vocab)
+            for row in (0, 1):
+                tokens[row].append(int(logits[row].argmax()))
+                lengths[row] += 1
+            start += k
+        tokens[2].append(int(logits[rows].argmax()))
+        lengths[2] = len(prompt)
+        for _ in range(3):
+            starts = torch.tensor(lengths)
+            valid[torch.arange(rows), starts] = True
+            logits = decoder(torch.tensor([[t[-1]] for t in tokens]), starts[:, None], starts, valid.clone(),
+                             torch.zeros(rows, dtype=torch.long), cache)
+            for row in range(rows):
+                tokens[row].append(int(logits[row].argmax()))
+                lengths[row] += 1
+    assert [t[:len(e)] for t, e in zip(tokens, expected)] == expected

@@ -184,7 +184,8 @@ def test_artifact_holds_portable_modules_hlo_executables_and_a_manifest(neuron_m
     directory = neuron_model(1).artifact_dir
     manifest = json.loads((directory / neuron.MANIFEST_NAME).read_text())
     stamp = json.loads((directory / "neuron_config.json").read_text())
-    assert set(manifest["graphs"]) == {"prefill_16", "token_32", "token_64"}  # (continuous batching)
+    # (continuous batching: prefill and fused graphs)
+    assert set(manifest["graphs"]) == {"prefill_16", "token_32", "token_64", "fused_32", "fused_64"}
     assert manifest["executables"]["platform"] == "cpu" and manifest["instance_type"] == "inf2.48xlarge"
     for name, entry in manifest["graphs"].items():
         assert entry["files"] == {"mlir": f"{name}.mlir", "mlirbc": f"{name}.mlirbc", "hlo": f"{name}.hlo.pb",

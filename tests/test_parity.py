@@ -363,7 +363,8 @@ def test_blocked_causal_attention_matches_sdpa(dtype, block):
     # equal plain SDPA with K/V repeated per head over the whole causal + padding mask: with a last block shorter
     # than the others and left padding filling a whole block. Padding queries see no key: their outputs (never
     # read) may differ, but are not NaN.
-    from optimum_neuronx.modeling.decoder import Kernels, attention, attention_masks
+    from optimum_neuronx.modeling.attention import attention, attention_masks
+    from optimum_neuronx.modeling.decoder import Kernels
 
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, n_rep, tokens, head_dim = 3, 2, 3, 150, 16

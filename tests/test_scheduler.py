@@ -19,8 +19,9 @@ class ScriptedEngine:
     """The Engine's slot API; each slot's next token is `script[request's first prompt token]`, in order. Records
     every call."""
 
-    def __init__(self, scripts: dict[int, list[int]], slots: int = 2):
+    def __init__(self, scripts: dict[int, list[int]], slots: int = 2, fused_chunk: int = 0, fused_up_to: int = 0):
         self.slots, self.vocab_size, self.rope_long_after = slots, VOCAB, 0
+        self.fused_chunk, self.fused_up_to = fused_chunk, fused_up_to  # fused graphs: chunk size, widest window
         self.neuron_config = types.SimpleNamespace(sequence_length=SEQUENCE)
         self.lengths = [0] * slots
         self.scripts, self.calls, self._next = scripts, [], {}
@@ -45,6 +46,16 @@ class ScriptedEngine:
         for slot in slots:
             self.lengths[slot] += 1
         return torch.cat([self._logits(slot) for slot in slots]), None
+
+    def fused_window(self, slots, chunk_slot, k):
+        end = max(max(self.lengths[s] for s in slots), self.lengths[chunk_slot] + k - 1)
+        return self.fused_up_to if k <= self.fused_chunk and end < self.fused_up_to else None
+
+    def fused_step(self, slots, token_ids, sampling, chunk_slot, chunk_ids, chunk_sampling=None):
+        calls = len(self.calls)
+        stepped, chunk = self.step(slots, token_ids, sampling), self.prefill(chunk_slot, chunk_ids, chunk_sampling)
+        self.calls[calls:] = [("fused", tuple(slots), chunk_slot, len(chunk_ids))]
+        return stepped, chunk
 
     def free(self, slot):
         self.calls.append(("free", slot))
@@ -86,6 +97,30 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
     assert [calls[i][2] for i in long_chunks] == [8, 8, 8, 7]
     # every chunk of the long prompt is followed by a decode step of the short request: it never waits for all four
     assert all(calls[i + 1][0] == "step" and 0 in calls[i + 1][1] for i in long_chunks[:3])
+
+
+def test_with_fused_graphs_each_chunk_rides_along_with_a_decode_step_in_one_call():
+    # The same requests as above: the long prompt's chunks go into the short request's decode steps (one fused call
+    # each) while their positions fit the fused graphs (up to slot 30); the last chunk, past them, runs on its own
+    # after the step. The texts are those of the unfused schedule.
+    def serve(**fused):
+        engine = ScriptedEngine({20: list(range(70, 78)), 21: list(range(80, 88))}, **fused)
+        scheduler = Scheduler(engine, max_waiting=2, prefill_budget=CHUNK)
+        outputs = {"short": [], "long": []}
+        scheduler.add(Request([20, 3], 8, "short"))
+        for o in scheduler.step():
+            outputs[o.request_id].append(o.token_ids)
+        scheduler.add(Request([21] + [3] * 30, 2, "long"))
+        while scheduler.running:
+            for o in scheduler.step():
+                outputs[o.request_id].append(o.token_ids)
+        return outputs, [c for c in engine.calls if c[0] != "free"]
+
+    alone, _ = serve()
+    together, calls = serve(fused_chunk=CHUNK, fused_up_to=30)
+    assert together == alone
+    assert calls[2:6] == [("fused", (0,), 1, 8), ("fused", (0,), 1, 8), ("fused", (0,), 1, 8), ("step", (0,))]
+    assert calls[6] == ("prefill", 1, 7)  # slots 24..30 reach past the fused graphs' window: the chunk alone
 
 
 def test_with_no_slot_decoding_a_prompt_is_encoded_in_the_largest_chunks_at_once():

@@ -90,7 +90,8 @@ def add_neuron_config_arguments(parser: argparse.ArgumentParser) -> None:
                              "uses when a request asks for nothing more")
     parser.add_argument("--continuous_batching", action="store_true", default=None,
                         help="serve requests that join and leave the batch at any step (optimum-cli neuron serve): "
-                             "one-row prefill graphs that also encode prompts longer than the largest bucket")
+                             "one-row prefill graphs that also encode prompts longer than the largest bucket, and "
+                             "fused graphs that run a decode step and a prompt chunk in one call")
     parser.add_argument("--compiler_args", action="append", default=[], metavar="ARG",
                         help="backend option, repeatable; inductor: NAME=VALUE, a torch._inductor.config option; "
                              "neuron: a neuronx-cc flag, e.g. --compiler_args=-O3")

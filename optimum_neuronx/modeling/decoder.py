@@ -11,7 +11,10 @@ A single forward serves both graphs:
 * verification (speculative decoding): T = drafted tokens + 1 over a token bucket, last_index [B, T]: logits
   [B, T, V] at every new token;
 * prefill (continuous batching): B = 1 row of the cache, the row `seq_ids` names, T = a chunk of its prompt
-  written from slot cache_start (> 0: a later chunk, attending to what the row holds), W = the whole cache.
+  written from slot cache_start (> 0: a later chunk, attending to what the row holds), W = the whole cache;
+* fused (continuous batching): input_ids [1, B + C] holds one token for each of the cache's B rows, then a chunk of
+  C for the row seq_ids[B]; the other inputs have B + 1 rows (the rows', then the chunk's), logits [B + 1, V]. Both
+  are projected together (the weights read once) and attend apart.
 
 Row b's T new tokens are written at cache slots cache_start[b] .. cache_start[b] + T - 1 of the preallocated cache
 `kv_cache[layers, 2 (k/v), B, kv_heads, S, head_dim]`, all layers with one in-place write after the last layer;
@@ -34,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._higher_order_ops.scan import scan
 
+from .attention import (AttentionPlan, CacheLayout, RowGroup, attention, attention_plan, cache_layout, group_tokens,
+                        joined_rows, write_new_kv)
 from .layout import tile_weight
 from .sampling import SAMPLING_FIELDS, sample_tokens
 
@@ -205,45 +210,6 @@ class Kernels:
         return {}
 
 
-def attention_masks(mask: torch.Tensor, n_rep: int, causal_block: int = 0) -> list[torch.Tensor]:
-    """The additive mask [B, 1, T, W] in the layers' folded layout, one piece per block of query tokens.
-
-    Rows are folded like the queries (`attention`): token-major, the `n_rep` query heads of one KV group after
-    each other. A context graph (T == W, from slot 0) is cut into blocks of `causal_block` tokens, each with only
-    the keys up to its last token: the keys it drops are masked for all of its rows (softmax weight exactly 0).
-    Otherwise (decode, or blocks off) one piece covers every query and the whole window. Built once per graph,
-    stored (not left as a stride-0 expand) for all layers to read.
-    """
-    B, _, T, W = mask.shape
-    blocks = [(0, T, W)]
-    if 0 < causal_block < T and T == W:
-        ends = [min(start + causal_block, T) for start in range(0, T, causal_block)]
-        blocks = [(start, end, end) for start, end in zip(range(0, T, causal_block), ends)]  # keys up to the end
-    return [mask[:, :, start:end, :keys, None].transpose(-1, -2).expand(B, 1, end - start, n_rep, keys)
-            .reshape(B, 1, (end - start) * n_rep, keys).contiguous() for start, end, keys in blocks]
-
-
-def attention(kernels: Kernels, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              masks: list[torch.Tensor], scale: float, tokens: int) -> torch.Tensor:
-    """Attention of folded queries q [B, kv_heads, T * n_rep, D] over keys/values [B, kv_heads, W, D].
-
-    Each piece of `masks` (from `attention_masks`) takes the next rows of q and the keys its width covers: a
-    context graph's query blocks skip the keys after them.
-    """
-    out, start = [], 0
-    for mask in masks:
-        rows, width = mask.shape[-2:]
-        out.append(kernels.attention(q[:, :, start:start + rows], keys[:, :, :width], values[:, :, :width], mask,
-                                     scale, tokens))
-        start += rows
-    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # A finite minimum, not -inf: rows with nothing to attend to (padding) must not produce NaN.
-    return torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in float32 like Transformers, then scale in the model dtype.
     xf = x.float()
@@ -347,15 +313,18 @@ class DecoderLayer(nn.Module):
     def weights(self) -> dict[str, torch.Tensor]:
         return dict(self.named_parameters())
 
-    def step(self, w: dict[str, torch.Tensor], h, cos, sin, masks, new_mask, kv_cache):
-        """One layer over hidden states h [B, T, hidden] with weights `w` (names as `weights()`, one layer's):
-        (h after the layer, the T new tokens' K and V [2, B, kv_heads, T, D]).
+    def step(self, w: dict[str, torch.Tensor], h, cos, sin, groups):
+        """One layer over hidden states h with weights `w` (names as `weights()`, one layer's): (h after the layer,
+        the new tokens' K and V [2, B, kv_heads, T, D] for h [B, T, hidden]).
 
-        `new_mask` None (a context graph): the T new tokens are the whole window, under `masks`. Otherwise
-        attention reads slots 0 .. W - 1 of `kv_cache` [2, B, kv_heads, S, D], the layer's cache before this step,
-        under `masks` ([one piece], which hides the slots the new tokens go to), and the new tokens under
-        `new_mask` (`Kernels.window_attention`). The caller writes the new K and V, for every layer at once: the layers
-        only read the cache, which lets them run as one loop.
+        `groups`: the attention inputs of each group of rows, (rows, tokens, masks, new_mask, layer_cache), in h's
+        token order: one group with h [rows, tokens, hidden], or a fused graph's two with h [1, all their tokens,
+        hidden] (each group's tokens row after row), attending apart but projected together. `new_mask` None (a
+        context graph): the new tokens are the whole window, under `masks`. Otherwise attention reads slots
+        0 .. W - 1 of `layer_cache` [2, rows, kv_heads, S, D], the layer's cache before this step, under `masks`
+        ([one piece], which hides the slots the new tokens go to), and the new tokens under `new_mask`
+        (`Kernels.window_attention`). The caller writes the new K and V, for every layer at once: the layers only
+        read the cache, which lets them run as one loop.
         """
         s, kernels = self.spec, self.kernels
         B, T, _ = h.shape
@@ -379,19 +348,28 @@ class DecoderLayer(nn.Module):
         if cos is not None:  # rotary positions (learned ones were added to the embeddings)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        new_kv = torch.stack((k, v)).permute(0, 1, 3, 2, 4).to(kv_cache.dtype)  # [2, B, kv_heads, T, D]
+        new_kv = torch.stack((k, v)).permute(0, 1, 3, 2, 4).to(groups[0][4].dtype)  # [2, B, kv_heads, T, D]
 
-        # GQA without repeating K/V: fold the query heads of one KV group into the query axis, token-major.
-        q = q.view(B, T, s.num_kv_heads, n_rep, s.head_dim).transpose(1, 2).reshape(B, s.num_kv_heads, T * n_rep,
-                                                                                     s.head_dim)
         scale = s.head_dim**-0.5 if s.attention_multiplier is None else s.attention_multiplier
-        if new_mask is None:
-            attn = attention(kernels, q, new_kv[0], new_kv[1], masks, scale, T)
-        else:
-            window = kv_cache[:, :, :, :masks[0].shape[-1]]
-            attn = kernels.window_attention(q, window, new_kv, masks[0], new_mask, scale, T)
-        attn = attn.view(B, s.num_kv_heads, T, n_rep, s.head_dim).transpose(1, 2)
-        h = h + _residual(self._branch_out(proj(attn.reshape(B, T, s.num_heads * s.head_dim), "o_proj"), w,
+        outs, offset = [], 0
+        for rows, tokens, masks, new_mask, layer_cache in groups:
+            group_q, group_kv = q, new_kv
+            if len(groups) > 1:
+                group_q = q[:, offset:offset + rows * tokens].reshape(rows, tokens, s.num_heads, s.head_dim)
+                group_kv = group_tokens(new_kv, offset, rows, tokens)
+            offset += rows * tokens
+            # GQA without repeating K/V: fold the query heads of one KV group into the query axis, token-major.
+            group_q = group_q.view(rows, tokens, s.num_kv_heads, n_rep, s.head_dim).transpose(1, 2).reshape(
+                rows, s.num_kv_heads, tokens * n_rep, s.head_dim)
+            if new_mask is None:
+                attn = attention(kernels, group_q, group_kv[0], group_kv[1], masks, scale, tokens)
+            else:
+                window = layer_cache[:, :, :, :masks[0].shape[-1]]
+                attn = kernels.window_attention(group_q, window, group_kv, masks[0], new_mask, scale, tokens)
+            outs.append(attn.view(rows, s.num_kv_heads, tokens, n_rep, s.head_dim).transpose(1, 2)
+                        .reshape(B, rows * tokens // B, s.num_heads * s.head_dim))
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        h = h + _residual(self._branch_out(proj(attn, "o_proj"), w,
                                            "attn_out_norm"), s.residual_multiplier)
 
         x = block_norm(h, "post_attention_norm")
@@ -524,196 +502,58 @@ class StaticDecoder(nn.Module):
     def graph_inputs(cls, graph, batch_size: int, kv_cache: torch.Tensor, on_device_sampling: bool) -> tuple:
         """`example_inputs` of the graph a configuration.GraphSpec describes, in an export of `batch_size` rows that
         samples on the device or not."""
+        if graph.kind == "fused":  # one row of batch_size tokens and the chunk; the rest per row and for the chunk
+            rows = batch_size + 1
+            inputs = cls.example_inputs(rows, 1, graph.window, kv_cache, sampling=graph.samples(on_device_sampling))
+            flat = torch.zeros(1, batch_size + graph.tokens, dtype=torch.long)
+            return (flat, flat.clone(), *inputs[2:])
         return cls.example_inputs(graph.rows(batch_size), graph.tokens, graph.window, kv_cache,
                                   graph.logits_positions, graph.samples(on_device_sampling))
 
-    def _masks(self, allowed, fresh, dtype, n_rep):
-        """The additive attention masks (pieces, `attention_masks`) of `allowed` [B, 1, T, W] and of the new tokens
-        among themselves, `fresh` [B, 1, T, T] (None in a context graph)."""
-        if fresh is None:
-            return attention_masks(_additive(allowed, dtype), n_rep, self.kernels.causal_block), None
-        return attention_masks(_additive(allowed, dtype), n_rep), attention_masks(_additive(fresh, dtype), n_rep)[0]
-
     def forward(self, input_ids, position_ids, cache_start, key_valid, last_index, kv_cache, seq_ids=None,
                 sampling=None):
-        B, T = input_ids.shape
-        if cache_start.shape[0] != B:  # one start for every row (eager callers)
-            cache_start = cache_start.expand(B)
-        W = key_valid.shape[1]
+        rows, width = input_ids.shape
+        if rows == 1 and cache_start.shape[0] > 1:
+            # A fused graph: one new token for each of the cache's B rows (their write slots cache_start[:B]), then
+            # a chunk of width - B tokens for the row seq_ids[B] from cache_start[B]. Their K and V are written in
+            # that order: the chunk's write wins where the row's own token slot lies in it.
+            B = cache_start.shape[0] - 1
+            groups = [RowGroup(B, 1, position_ids[:, :B].reshape(B, 1), cache_start[:B], key_valid[:B], last_index[:B],
+                            seq_ids[:B], targeted=False),
+                      RowGroup(1, width - B, position_ids[:, B:], cache_start[B:], key_valid[B:], last_index[B:],
+                            seq_ids[B:], targeted=True)]
+        else:
+            if cache_start.shape[0] != rows:  # one start for every row (eager callers)
+                cache_start = cache_start.expand(rows)
+            # Fewer rows than the cache holds: a row-targeted graph, its rows the cache rows `seq_ids` (read as a
+            # copy, written in place); otherwise row b is cache row b and seq_ids is not read.
+            targeted = rows != kv_cache.shape[2]
+            if targeted and seq_ids is None:
+                raise ValueError(f"{rows} rows for a cache of {kv_cache.shape[2]}: pass seq_ids, the cache rows they "
+                                 f"are")
+            groups = [RowGroup(rows, width, position_ids, cache_start, key_valid, last_index, seq_ids, targeted)]
         dtype = self.embed_tokens.weight.dtype
         h = _residual(self.embed_tokens(input_ids), self.spec.embedding_multiplier)
-
         cos = sin = None
         if self.spec.positions == "learned":  # padding slots' positions may be anything: clamped into the table
             h = h + self.embed_positions(position_ids.clamp(0, self.spec.max_positions - 1))
         else:
-            inv_freq = self.rope_inv_freq
-            if self.spec.rope_long_inv_freq:
-                # One set per group of rows with equal seq_ids (a static batch: all of them, as Transformers picks it
-                # for a batch; slots: each row alone), picked by the group's largest position.
-                ids = seq_ids if seq_ids is not None else torch.zeros(B, dtype=torch.long, device=input_ids.device)
-                past = position_ids.max(dim=1).values + 1 > self.spec.rope_long_after  # [B]
-                long = ((ids[:, None] == ids[None, :]) & past[None, :]).any(dim=1)[:, None, None]  # [B, 1, 1]
-                inv_freq = torch.where(long, self.rope_long_inv_freq, inv_freq)
-            cos, sin = _rotation(position_ids, inv_freq, self.spec.rope_attention_scaling, dtype)
+            rotations = [self._rotations(group, dtype) for group in groups]
+            cos, sin = rotations[0] if len(groups) == 1 else (joined_rows([r[0] for r in rotations]),
+                                                              joined_rows([r[1] for r in rotations]))
+        layout = cache_layout(self.spec, kv_cache)
+        plans = [attention_plan(self.spec, self.kernels, group, kv_cache, layout, dtype) for group in groups]
+        h, new_kv = self._layers(h, cos, sin, plans, layout)
+        offset = 0
+        for group in groups:  # in order: the chunk's write after the rows' own
+            write_new_kv(self.spec, self.kernels, kv_cache, new_kv, group, layout, offset if len(groups) > 1 else None)
+            offset += group.rows * group.tokens
 
-        dev = input_ids.device
-        # Fewer rows than the cache holds: a row-targeted graph, its rows the cache rows `seq_ids` (read as a copy,
-        # written in place); otherwise row b is cache row b and seq_ids is not read.
-        targeted = B != kv_cache.shape[2]
-        if targeted and seq_ids is None:
-            raise ValueError(f"{B} rows for a cache of {kv_cache.shape[2]}: pass seq_ids, the cache rows they are")
-        cache_rows = kv_cache.index_select(2, seq_ids) if targeted else kv_cache
-        slots = cache_start[:, None] + torch.arange(T, device=dev)  # [B, T]: each row's slots for its new tokens
-        s, L = self.spec, self.spec.num_layers
-        n_rep = s.num_heads // s.num_kv_heads
-        places = s.cache_places or tuple((layer, 0, kv_cache.shape[4]) for layer in range(L))
-        ring = s.sliding_window if s.cache_places else 0  # the slots a sliding layer keeps (0: every one)
-        stores_ring = [bool(ring) and layer in s.sliding_layers for layer in range(L)]
-        if T == W and not targeted:  # a context graph: the window is its tokens, from slot 0
-            key_slots = torch.arange(W, device=dev)
-            context = key_valid[:, None, None, :] & (key_slots[None, None, None, :] <= slots[:, None, :, None])
-            cached = fresh = None
+        if len(groups) > 1:  # each row's token, then the chunk's last
+            h = h[0, torch.cat((torch.arange(B, device=h.device), B + last_index[B:]))]
         else:
-            # The cache's slots from cache_start on hold stale K/V until the write after the layers: the new tokens
-            # are attended to from new_kv instead, causally among themselves. (A row a step does not serve may sit
-            # past the window: its slots are clamped into it, its outputs unread.)
-            cached = key_valid & (torch.arange(W, device=dev)[None, :] < cache_start[:, None])  # [B, W]
-            causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-            fresh = key_valid.gather(1, slots.clamp(max=W - 1))[:, None, None, :] & causal  # [B, 1, T, T]
-
-        def mask_set(cached, positions, window: bool):
-            """(masks, new_mask) over the keys `cached` [B, K] at `positions` [B, K] (None: a context graph), within
-            the sliding window where `window`."""
-            allowed = context if cached is None else cached[:, None, None, :].expand(B, 1, T, cached.shape[1])
-            new = fresh
-            if window:
-                allowed = allowed & ((position_ids[:, None, :, None] - positions[:, None, None, :]) < s.sliding_window)
-                if fresh is not None:
-                    new = fresh & ((position_ids[:, None, :, None] - position_ids[:, None, None, :]) < s.sliding_window)
-            return self._masks(allowed, new, dtype, n_rep)
-
-        # Each layer's masks: "plain", "window" (sliding, over the token window W), or "ring" (sliding, a token graph
-        # over a ring narrower than W: ring slot j holds the latest slot before cache_start that is j modulo the ring).
-        kinds = ["plain" if layer not in s.sliding_layers or not s.sliding_window
-                 else "ring" if stores_ring[layer] and cached is not None and ring < W else "window"
-                 for layer in range(L)]
-        # A key's position is its rank among the row's real slots (positions count real tokens only); windows only.
-        key_positions = key_valid.long().cumsum(1) - 1 if s.sliding_window else None  # [B, W]
-        sets = {}
-        for kind in dict.fromkeys(kinds):  # in layer order: the traced graph is the same in every process
-            if kind == "ring":  # per row: ring slot j holds the latest slot before cache_start that is j mod ring
-                # (dividends kept >= 0: some lowerings compute remainder with the dividend's sign)
-                last = cache_start[:, None] - 1
-                held = last - torch.remainder(last + ring - torch.arange(ring, device=dev), ring)  # [B, ring]
-                at = held.clamp(min=0, max=W - 1)
-                sets[kind] = mask_set(key_valid.gather(1, at) & (held >= 0), key_positions.gather(1, at), True)
-            else:
-                sets[kind] = mask_set(cached, key_positions, kind == "window")
-        masks, new_mask = sets[kinds[0]]
-        mixed = self._mixed_windows
-        packed = any(place[:2] != (layer, 0) for layer, place in enumerate(places))  # rings side by side in a row
-
-        per_layer = bool(s.nope_layers or s.rope_local_layers)
-        if per_layer:  # cos / sin per layer [L, B, T, 1, D]: NoPE layers the identity (cos 1, sin 0), local ones theirs
-            rotations = {"global": (cos, sin), "none": (torch.ones_like(cos), torch.zeros_like(sin))}
-            if s.rope_local_layers:
-                rotations["local"] = _rotation(position_ids, self.rope_local_inv_freq,
-                                               s.rope_local_attention_scaling, dtype)
-            rope_kinds = ["none" if i in s.nope_layers else "local" if i in s.rope_local_layers else "global"
-                          for i in range(L)]
-            cos = torch.stack([rotations[kind][0] for kind in rope_kinds])
-            sin = torch.stack([rotations[kind][1] for kind in rope_kinds])
-
-        def layer_masks(flag):
-            """A mixed-window model's masks for the layer whose sliding flag is `flag` (a 0-d tensor), in the loop."""
-            if not mixed:
-                return masks, new_mask
-            pick = lambda a, b: torch.where(flag > 0, a, b)  # noqa: E731
-            (window_masks, window_new), (plain_masks, plain_new) = sets["window"], sets["plain"]
-            return ([pick(w, f) for w, f in zip(window_masks, plain_masks)],
-                    None if plain_new is None else pick(window_new, plain_new))
-
-        stacked = isinstance(self.layers, DecoderLayer)
-        if stacked and self.kernels.scans(s) and not packed:
-            # One loop over the stacked layers: the compiler traces, lowers and compiles one layer, not num_layers.
-            layer = self.layers
-            if per_layer or mixed:  # per-layer inputs ride along with the weights
-                extra = {"cos": cos, "sin": sin} if per_layer else {}
-                if mixed:
-                    extra["sliding"] = self.sliding_layer_flags
-
-                def body(h, xs):
-                    weights, layer_cache, x = xs
-                    layer_mask, layer_new_mask = layer_masks(x.get("sliding"))
-                    return layer.step(weights, h, x.get("cos", cos), x.get("sin", sin), layer_mask, layer_new_mask,
-                                      layer_cache)
-
-                h, new_kv = scan(body, h, (layer.weights(), cache_rows, extra))
-            else:  # every layer alike: one cos / sin and one set of masks the loop body reads
-                def body(h, xs):
-                    weights, layer_cache = xs
-                    return layer.step(weights, h, cos, sin, masks, new_mask, layer_cache)
-
-                h, new_kv = scan(body, h, (layer.weights(), cache_rows))
-        else:  # unrolled: one module per layer, or the stacked weights' slices (Kernels.scans False, packed caches)
-            weights = self.layers.weights() if stacked else None
-            new_kv = []
-            for i in range(L):
-                layer = self.layers if stacked else self.layers[i]
-                layer_weights = {name: w[i] for name, w in weights.items()} if stacked else layer.weights()
-                layer_cos, layer_sin = (cos[i], sin[i]) if per_layer else (cos, sin)
-                row, first, n = places[i]
-                h, layer_kv = layer.step(layer_weights, h, layer_cos, layer_sin, *sets[kinds[i]],
-                                         cache_rows[row, :, :, :, first:first + n])
-                new_kv.append(layer_kv)
-
-        # Every layer's K and V written in place by one write per kind of place (all slots, or a ring): writes
-        # through views would copy the cache. A row-targeted graph writes nothing after a row's last real token
-        # (last_index): such entries repeat the last token's write (same slot, same values), so a chunk's padding
-        # never lands on slots the row holds.
-        steps = torch.arange(T, device=dev)
-        source = torch.minimum(steps, last_index[:, None]) if targeted else steps.expand(B, T)  # [B, T]
-        for ring_group in (False, True):
-            layers = [i for i in range(L) if stores_ring[i] == ring_group]
-            if not layers:
-                continue
-            if isinstance(new_kv, torch.Tensor):  # the loop's, stacked: every layer stored alike
-                kv = new_kv
-            else:
-                kv = torch.stack([new_kv[i] for i in layers])
-            picked = source
-            token_slots = cache_start[:, None] + source  # [B, entries]
-            if ring_group and T > ring:
-                # More new tokens than the ring holds: ring slot j gets the latest real token that is j modulo the
-                # ring; a slot no new token reaches keeps what it holds (its entry repeats the last token's write).
-                end = cache_start + last_index if last_index.dim() == 1 else cache_start + T - 1  # [B]
-                latest = end[:, None] - torch.remainder(end[:, None] + ring - torch.arange(ring, device=dev), ring)
-                reached = latest >= cache_start[:, None]
-                picked = torch.where(reached, latest - cache_start[:, None], (end - cache_start)[:, None])
-                token_slots = torch.where(reached, torch.arange(ring, device=dev), torch.remainder(end, ring)[:, None])
-            elif ring_group:
-                token_slots = torch.remainder(token_slots, ring)
-            count = picked.shape[1]
-            if targeted or count != T:
-                kv = kv.gather(4, picked.view(1, 1, B, 1, count, 1).expand(*kv.shape[:4], count, kv.shape[5]))
-            n, rows = len(layers), torch.arange(len(layers), device=dev)
-            slot_index = token_slots.view(1, 1, B, 1, count)
-            if packed and ring_group:  # the rings side by side after the full layers' rows (window_cache_places)
-                per_row, full_rows = kv_cache.shape[4] // ring, L - n
-                slot_index = (rows % per_row * ring).view(n, 1, 1, 1, 1) + slot_index
-                rows = full_rows + rows // per_row
-            index = (
-                rows.view(n, 1, 1, 1, 1),
-                torch.arange(2, device=dev).view(1, 2, 1, 1, 1),
-                (seq_ids if targeted else torch.arange(B, device=dev)).view(1, 1, B, 1, 1),
-                torch.arange(s.num_kv_heads, device=dev).view(1, 1, 1, s.num_kv_heads, 1),
-                slot_index,
-            )
-            self.kernels.write_cache(kv_cache, index, kv)
-
-        rows = torch.arange(B, device=h.device)
-        h = h[rows[:, None] if last_index.dim() == 2 else rows, last_index]  # [B, hidden], or [B, P, hidden]
+            index = torch.arange(rows, device=h.device)
+            h = h[index[:, None] if last_index.dim() == 2 else index, last_index]  # [B, hidden], or [B, P, hidden]
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
         logits = self.kernels.lm_head(h, weight, self.spec.tie_word_embeddings)
@@ -722,3 +562,74 @@ class StaticDecoder(nn.Module):
         cap = self.spec.final_logit_softcapping
         logits = (torch.tanh(logits / cap) * cap if cap else logits).float()
         return logits if sampling is None else (logits, sample_tokens(logits, sampling))
+
+    def _rotations(self, group: RowGroup, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin for `group`'s tokens, [B, T, 1, D] (per layer [L, B, T, 1, D] where layers differ)."""
+        s, position_ids = self.spec, group.position_ids
+        inv_freq = self.rope_inv_freq
+        if s.rope_long_inv_freq:
+            # One set per group of rows with equal seq_ids (a static batch: all of them, as Transformers picks it
+            # for a batch; slots: each row alone), picked by the group's largest position.
+            ids = group.seq_ids if group.seq_ids is not None else torch.zeros(group.rows, dtype=torch.long,
+                                                                               device=position_ids.device)
+            past = position_ids.max(dim=1).values + 1 > s.rope_long_after  # [B]
+            long = ((ids[:, None] == ids[None, :]) & past[None, :]).any(dim=1)[:, None, None]  # [B, 1, 1]
+            inv_freq = torch.where(long, self.rope_long_inv_freq, inv_freq)
+        cos, sin = _rotation(position_ids, inv_freq, s.rope_attention_scaling, dtype)
+        if not (s.nope_layers or s.rope_local_layers):
+            return cos, sin
+        # per layer: NoPE layers the identity (cos 1, sin 0), local ones their own frequencies
+        rotations = {"global": (cos, sin), "none": (torch.ones_like(cos), torch.zeros_like(sin))}
+        if s.rope_local_layers:
+            rotations["local"] = _rotation(position_ids, self.rope_local_inv_freq, s.rope_local_attention_scaling,
+                                           dtype)
+        kinds = ["none" if i in s.nope_layers else "local" if i in s.rope_local_layers else "global"
+                 for i in range(s.num_layers)]
+        return (torch.stack([rotations[kind][0] for kind in kinds]),
+                torch.stack([rotations[kind][1] for kind in kinds]))
+
+    def _layers(self, h, cos, sin, plans: list[AttentionPlan], layout: CacheLayout):
+        """Every layer over h: (h, the new K and V, stacked [L, ...] from the loop or a list per layer)."""
+        s, L = self.spec, self.spec.num_layers
+        mixed = self._mixed_windows
+        per_layer = bool(s.nope_layers or s.rope_local_layers)
+
+        def groups(layer_masks, caches):
+            return [(plan.rows, plan.tokens, *masks, cache) for plan, masks, cache in zip(plans, layer_masks, caches)]
+
+        stacked = isinstance(self.layers, DecoderLayer)
+        caches = tuple(plan.cache_rows for plan in plans)
+        if stacked and self.kernels.scans(s) and not layout.packed:
+            # One loop over the stacked layers: the compiler traces, lowers and compiles one layer, not num_layers.
+            layer = self.layers
+            if per_layer or mixed:  # per-layer inputs ride along with the weights
+                extra = {"cos": cos, "sin": sin} if per_layer else {}
+                if mixed:
+                    extra["sliding"] = self.sliding_layer_flags
+
+                def body(h, xs):
+                    weights, layer_caches, x = xs
+                    masks = [plan.layer_masks(x.get("sliding"), mixed) for plan in plans]
+                    return layer.step(weights, h, x.get("cos", cos), x.get("sin", sin), groups(masks, layer_caches))
+
+                return scan(body, h, (layer.weights(), caches, extra))
+            masks = [plan.sets[plan.kinds[0]] for plan in plans]  # every layer alike
+
+            def body(h, xs):
+                weights, layer_caches = xs
+                return layer.step(weights, h, cos, sin, groups(masks, layer_caches))
+
+            return scan(body, h, (layer.weights(), caches))
+        # unrolled: one module per layer, or the stacked weights' slices (Kernels.scans False, packed caches)
+        weights = self.layers.weights() if stacked else None
+        new_kv = []
+        for i in range(L):
+            layer = self.layers if stacked else self.layers[i]
+            layer_weights = {name: w[i] for name, w in weights.items()} if stacked else layer.weights()
+            layer_cos, layer_sin = (cos[i], sin[i]) if per_layer else (cos, sin)
+            row, first, n = layout.places[i]
+            layer_caches = [cache[row, :, :, :, first:first + n] for cache in caches]
+            h, layer_kv = layer.step(layer_weights, h, layer_cos, layer_sin,
+                                     groups([plan.sets[plan.kinds[i]] for plan in plans], layer_caches))
+            new_kv.append(layer_kv)
+        return h, new_kv
