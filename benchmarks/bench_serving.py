@@ -103,7 +103,7 @@ def static_batches(export_dir: Path, requests, batch_size: int) -> dict:
         start = time.monotonic()
         model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
         seconds.append(time.monotonic() - start)
-    return {"batch_seconds": seconds, "median_decode_step_ms": decode_step_ms(model, requests)}
+    return {"batch_seconds": seconds, "step_ms": step_times_ms(model, requests)}
 
 
 def static_under_arrivals(requests, batch_size: int, batch_seconds: list[float], delays: list[float]) -> dict:
@@ -116,8 +116,10 @@ def static_under_arrivals(requests, batch_size: int, batch_seconds: list[float],
     return {"output_tok_s": tokens / end, "tokens": tokens, "seconds": end}
 
 
-def decode_step_ms(model, requests, steps: int = 40) -> float:
-    """The engine stepping every slot at once (what one continuous-batching iteration costs at full load)."""
+def step_times_ms(model, requests, steps: int = 40) -> dict:
+    """Median times of what one continuous-batching iteration runs at full load: the engine stepping every slot
+    ("decode"), a prefill chunk of the smallest context bucket alone ("chunk") and both in one fused call ("fused":
+    the other slots stepped while the last one takes the chunk)."""
     import torch
 
     engine = model._engine
@@ -126,14 +128,25 @@ def decode_step_ms(model, requests, steps: int = 40) -> float:
         engine.free(slot)
         for start in range(0, len(prompt), engine.chunk(len(prompt))):
             engine.prefill(slot, torch.tensor(prompt[start:start + engine.chunk(len(prompt) - start)]))
-    times = []
+    size = engine.chunk(10**6, limit=1)
+    chunk = torch.tensor(requests[0][0][:size])
+    times = {"decode": [], "chunk": [], "fused": []}
     for _ in range(steps):
         begin = time.perf_counter()
         engine.step(slots, [100] * len(slots))
-        times.append(time.perf_counter() - begin)
+        times["decode"].append(time.perf_counter() - begin)
+        engine.free(slots[-1])
+        begin = time.perf_counter()
+        engine.prefill(slots[-1], chunk)
+        times["chunk"].append(time.perf_counter() - begin)
+        if engine.fused_chunk:
+            engine.free(slots[-1])
+            begin = time.perf_counter()
+            engine.fused_step(slots[:-1], [100] * (len(slots) - 1), None, slots[-1], chunk)
+            times["fused"].append(time.perf_counter() - begin)
     for slot in slots:
         engine.free(slot)
-    return 1e3 * statistics.median(times)
+    return {name: 1e3 * statistics.median(values) for name, values in times.items() if values}
 
 
 def start_server(export_dir: Path, port: int, budget: int, log: Path, max_waiting: int) -> subprocess.Popen:
@@ -217,7 +230,8 @@ def main() -> None:
                                          [0.0] * len(requests)),
         **{str(rate): static_under_arrivals(requests, EXPORT["batch_size"], static["batch_seconds"], arrivals[rate])
            for rate in args.rates}}
-    results["median_decode_step_ms"] = static["median_decode_step_ms"]
+    results["median_decode_step_ms"] = static["step_ms"]["decode"]
+    results["median_step_ms"] = static["step_ms"]
     print(f"static generate: {results['static_generate']}", flush=True)
     (args.output_dir / "results.json").write_text(json.dumps(results, indent=2))
     (args.output_dir / "results.md").write_text(markdown(results))
@@ -241,6 +255,11 @@ def markdown(results: dict) -> str:
                      f"{row['output_tok_s'] / alone:.2f}x | 1.00x | | | |")
     lines.append(f"| (a) one at a time (server) | | - | {alone:.1f} | 1.00x | | | | |")
     lines.append(f"\nMedian decode step (all {batch} slots): {step:.1f} ms.")
+    times = results["median_step_ms"]
+    if "fused" in times:
+        lines.append(f"A prefill chunk of {results['export']['context_buckets'][0]} tokens alone: "
+                     f"{times['chunk']:.1f} ms; fused into a decode step of the other slots: {times['fused']:.1f} ms "
+                     f"for both.")
     return "\n".join(lines) + "\n"
 
 
