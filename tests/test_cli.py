@@ -36,7 +36,7 @@ def test_export_prints_plan_and_times_then_verify_passes(cli_export):
     assert result.returncode == 0, result.stderr[-2000:]
     log = result.stdout + result.stderr
     assert "Memory estimate: weights" in log
-    assert "Buckets: context [16], token generation [32, 64] (3 graphs" in log
+    assert "Buckets: context [16], token generation [32, 64] (5 graphs" in log  # prefill, 2 token, 2 fused
     assert "Compile cache hit" in log
     assert re.search(r"compiled token_32 in \d+\.\d s", result.stdout)  # the times it took when compiled
     assert f"to {output}" in result.stdout

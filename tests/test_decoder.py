@@ -198,24 +198,17 @@ def test_experts_gathered_for_few_tokens_compute_what_every_expert_mixed_does():
         torch.testing.assert_close(mixture_of_experts(x[:, t:t + 1], weights, spec), every_expert[:, t:t + 1])
 
 
-@pytest.mark.parametrize("overrides", [
-    {}, dict(sliding_window=6),
-    dict(sliding_window=10, num_hidden_layers=4,
-         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
-], ids=["full-cache", "rings", "packed-rings"])
-def test_rows_prefilled_in_chunks_then_stepped_together_match_each_row_alone(overrides):
-    # Continuous batching's graph inputs: each row's prompt written into its cache row by a one-row graph (seq_ids)
-    # in chunks of 8 from slot 0 (a chunk of 8 is wider than the 6-slot ring, the last chunk padded), then every row
-    # decoded in one call at its own cache_start. Each row's greedy tokens equal the row run alone at batch 1.
-    sequence, chunk = 32, 8
-    decoder = _decoder(sequence=sequence, **overrides)
-    vocab = decoder.spec.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (n,), generator=generator) for n in (5, 11, 20)]
+# A cache of every slot; sliding rings of 6 on every layer; rings of 10 packed beside a full layer.
+CACHE_LAYOUTS = [{}, dict(sliding_window=6),
+                 dict(sliding_window=10, num_hidden_layers=4,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"])]
 
-    def alone(prompt: torch.Tensor, steps: int) -> list[int]:
-        cache, n = torch.zeros(decoder.spec.kv_cache_shape(1, sequence)), len(prompt)
-        valid = torch.ones(1, sequence, dtype=torch.bool)
+
+def _greedy_alone(decoder, prompt: torch.Tensor, steps: int, sequence: int) -> list[int]:
+    """`steps` greedy tokens of `prompt` run alone at batch 1 (one context call, then one token a call)."""
+    cache, n = torch.zeros(decoder.spec.kv_cache_shape(1, sequence)), len(prompt)
+    valid = torch.ones(1, sequence, dtype=torch.bool)
+    with torch.no_grad():
         logits = decoder(prompt[None], torch.arange(n)[None], torch.tensor([0]), valid[:, :n].clone(),
                          torch.tensor([n - 1]), cache)
         tokens = []
@@ -223,14 +216,42 @@ def test_rows_prefilled_in_chunks_then_stepped_together_match_each_row_alone(ove
             tokens.append(int(logits.argmax()))
             logits = decoder(torch.tensor([[tokens[-1]]]), torch.tensor([[n + i]]), torch.tensor([n + i]),
                              valid.clone(), torch.tensor([0]), cache)
-        return tokens
+    return tokens
 
-    rows = len(prompts)
-    cache = torch.zeros(decoder.spec.kv_cache_shape(rows, sequence))
-    valid = torch.zeros(rows, sequence, dtype=torch.bool)
+
+def _three_rows(overrides: dict, seed: int, sequence: int):
+    """A tiny decoder with `overrides`, three random prompts (5, 11 and 20 tokens), an empty three-row cache and its
+    key_valid."""
+    decoder = _decoder(sequence=sequence, **overrides)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, decoder.spec.vocab_size, (n,), generator=generator) for n in (5, 11, 20)]
+    return (decoder, prompts, torch.zeros(decoder.spec.kv_cache_shape(3, sequence)),
+            torch.zeros(3, sequence, dtype=torch.bool))
+
+
+def _decode_together(decoder, tokens: list[list[int]], lengths: list[int], valid, cache, steps: int) -> None:
+    """`steps` decode calls of every row at its own length (`lengths`), each row's greedy token appended."""
+    rows = len(tokens)
+    for _ in range(steps):
+        starts = torch.tensor(lengths)
+        valid[torch.arange(rows), starts] = True
+        logits = decoder(torch.tensor([[t[-1]] for t in tokens]), starts[:, None], starts, valid.clone(),
+                         torch.zeros(rows, dtype=torch.long), cache)
+        for row in range(rows):
+            tokens[row].append(int(logits[row].argmax()))
+            lengths[row] += 1
+
+
+@pytest.mark.parametrize("overrides", CACHE_LAYOUTS, ids=["full-cache", "rings", "packed-rings"])
+def test_rows_prefilled_in_chunks_then_stepped_together_match_each_row_alone(overrides):
+    # Continuous batching's graph inputs: each row's prompt written into its cache row by a one-row graph (seq_ids)
+    # in chunks of 8 from slot 0 (a chunk of 8 is wider than the 6-slot ring, the last chunk padded), then every row
+    # decoded in one call at its own cache_start. Each row's greedy tokens equal the row run alone at batch 1.
+    sequence, chunk = 32, 8
+    decoder, prompts, cache, valid = _three_rows(overrides, seed=0, sequence=sequence)
     lengths, tokens = [len(p) for p in prompts], []
     with torch.no_grad():
-        expected = [alone(p, 6) for p in prompts]
+        expected = [_greedy_alone(decoder, p, 6, sequence) for p in prompts]
         for row, prompt in enumerate(prompts):
             for start in range(0, len(prompt), chunk):
                 k = min(chunk, len(prompt) - start)
@@ -240,50 +261,21 @@ def test_rows_prefilled_in_chunks_then_stepped_together_match_each_row_alone(ove
                 logits = decoder(ids, torch.arange(start, start + chunk)[None], torch.tensor([start]),
                                  valid[row:row + 1].clone(), torch.tensor([k - 1]), cache, torch.tensor([row]))
             tokens.append([int(logits.argmax())])
-        for _ in range(5):
-            starts = torch.tensor(lengths)
-            valid[torch.arange(rows), starts] = True
-            logits = decoder(torch.tensor([[t[-1]] for t in tokens]), starts[:, None], starts, valid.clone(),
-                             torch.zeros(rows, dtype=torch.long), cache)
-            for row in range(rows):
-                tokens[row].append(int(logits[row].argmax()))
-                lengths[row] += 1
+        _decode_together(decoder, tokens, lengths, valid, cache, steps=5)
     assert tokens == expected
 
 
-@pytest.mark.parametrize("overrides", [
-    {}, dict(sliding_window=6),
-    dict(sliding_window=10, num_hidden_layers=4,
-         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
-], ids=["full-cache", "rings", "packed-rings"])
+@pytest.mark.parametrize("overrides", CACHE_LAYOUTS, ids=["full-cache", "rings", "packed-rings"])
 def test_a_prompt_prefilled_in_fused_steps_while_other_rows_decode_matches_each_row_alone(overrides):
     # The fused graph's inputs: one token for each cache row, then a chunk of 8 for one row, in one call. Rows 0 and
     # 1 decode while row 2's prompt of 20 is prefilled in three such steps (row 2's own token is written at the
     # chunk's first slot, which the chunk then overwrites); then all three decode together.
     sequence, chunk, window = 32, 8, 32
-    decoder = _decoder(sequence=sequence, **overrides)
-    vocab = decoder.spec.vocab_size
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, vocab, (n,), generator=generator) for n in (5, 11, 20)]
-
-    def alone(prompt: torch.Tensor, steps: int) -> list[int]:
-        cache, n = torch.zeros(decoder.spec.kv_cache_shape(1, sequence)), len(prompt)
-        valid = torch.ones(1, sequence, dtype=torch.bool)
-        logits = decoder(prompt[None], torch.arange(n)[None], torch.tensor([0]), valid[:, :n].clone(),
-                         torch.tensor([n - 1]), cache)
-        tokens = []
-        for i in range(steps):
-            tokens.append(int(logits.argmax()))
-            logits = decoder(torch.tensor([[tokens[-1]]]), torch.tensor([[n + i]]), torch.tensor([n + i]),
-                             valid.clone(), torch.tensor([0]), cache)
-        return tokens
-
-    rows = len(prompts)
-    cache = torch.zeros(decoder.spec.kv_cache_shape(rows, sequence))
-    valid = torch.zeros(rows, sequence, dtype=torch.bool)
+    decoder, prompts, cache, valid = _three_rows(overrides, seed=1, sequence=sequence)
+    rows, vocab = len(prompts), decoder.spec.vocab_size
     lengths, tokens = [0] * rows, [[] for _ in range(rows)]
     with torch.no_grad():
-        expected = [alone(p, 6 if row < 2 else 4) for row, p in enumerate(prompts)]
+        expected = [_greedy_alone(decoder, p, 6 if row < 2 else 4, sequence) for row, p in enumerate(prompts)]
         for row in (0, 1):  # each prompt in one chunk of its own
             n = len(prompts[row])
             valid[row, :n] = True
@@ -312,12 +304,5 @@ def test_a_prompt_prefilled_in_fused_steps_while_other_rows_decode_matches_each_
             start += k
         tokens[2].append(int(logits[rows].argmax()))
         lengths[2] = len(prompt)
-        for _ in range(3):
-            starts = torch.tensor(lengths)
-            valid[torch.arange(rows), starts] = True
-            logits = decoder(torch.tensor([[t[-1]] for t in tokens]), starts[:, None], starts, valid.clone(),
-                             torch.zeros(rows, dtype=torch.long), cache)
-            for row in range(rows):
-                tokens[row].append(int(logits[row].argmax()))
-                lengths[row] += 1
+        _decode_together(decoder, tokens, lengths, valid, cache, steps=3)
     assert [t[:len(e)] for t, e in zip(tokens, expected)] == expected

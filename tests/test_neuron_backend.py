@@ -315,9 +315,10 @@ def fake_neuronx_cc(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("instance_type, source, lnc", [("inf2.8xlarge", ".hlo.pb", None), ("trn2", ".mlir", "2")])
 def test_neffs_are_compiled_per_target_in_parallel(tiny_checkpoint, fake_neuronx_cc, instance_type, source, lnc):
-    # its own export: the NEFF compile runs inside the export, for this instance type
+    # its own export: the NEFF compile runs inside the export, for this instance type (static batches: 3 graphs)
+    static = dict(NEURON_EXPORT, continuous_batching=False)
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, instance_type=instance_type,
-                                                   compile_cache=False, **NEURON_EXPORT)
+                                                   compile_cache=False, **static)
     calls = fake_neuronx_cc()
     assert len(calls) == 3
     target = {"inf2.8xlarge": "inf2", "trn2": "trn2"}[instance_type]
