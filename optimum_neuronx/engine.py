@@ -37,8 +37,9 @@ class Engine:
         self.handle: Optional[CacheHandle] = None  # the static batch's cache, as generate holds it
         self.sampler = None  # (top_k, top_p, temperature) while a generate is served by on-device sampling
         self._step = DecodeStepInputs(nc.batch_size)
-        self.prefill_sizes = tuple(g.tokens for g in nc.graphs() if g.kind == "prefill")
-        fused = [g for g in nc.graphs() if g.kind == "fused"]
+        specs = nc.graphs()
+        self.prefill_sizes = tuple(g.tokens for g in specs if g.kind == "prefill")
+        fused = [g for g in specs if g.kind == "fused"]
         self.fused_chunk = fused[0].tokens if fused else 0  # the most tokens a chunk fused into a step takes
         self._fused_windows = tuple(g.window for g in fused)
         self.lengths = [0] * nc.batch_size  # tokens each slot holds (slots)
