@@ -81,6 +81,9 @@ TINY_EXPORT = dict(batch_size=3, sequence_length=64, context_buckets=[16], token
 # one-row prefill graph cannot (its engine test exports with continuous batching).
 TINY_EXPORT_OVERRIDES = {"phi3": dict(context_buckets=[16, 64], continuous_batching=False)}
 NEURON_EXPORT = dict(TINY_EXPORT, backend="neuron")
+# Static batches of the same shapes (context and token graphs: 3, not 5) for the exports whose tests never step
+# requests through the engine: what they check does not touch the prefill and fused graphs, which cost compile time.
+STATIC_BATCHES = dict(continuous_batching=False)
 # The bfloat16 parity exports (one per block kind, both backends): a batch of 2, one bucket of 32.
 BF16_EXPORT = dict(batch_size=2, sequence_length=32, context_buckets=[16], token_buckets=[32], auto_cast_type="bf16")
 # The real SmolLM2: float32 (smollm2_compiled, test_cli.py's CLI export, the neuron backend's), and int8 in bfloat16.

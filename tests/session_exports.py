@@ -27,15 +27,17 @@ import traceback
 def ahead_of_time_exports() -> list[tuple[str, str, dict]]:
     """(test module, checkpoint: a TINY_CONFIGS family or "smollm2", export options), in the order the tests ask."""
     from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, BF16_EXPORT, NEURON_EXPORT, SERVE_EXPORT, SMOLLM2_EXPORT,
-                          SMOLLM2_INT8_EXPORT, tiny_export)
+                          SMOLLM2_INT8_EXPORT, STATIC_BATCHES, tiny_export)
 
     foreground_first = ("llama", "qwen2", "qwen3")
-    inductor = [("test_parity.py", family, tiny_export(family)) for family in ARCHITECTURES
+    inductor = [("test_cache.py", "gpt2", BF16_EXPORT)]  # its recompile test (test_parity's bf16 gpt2 too)
+    inductor += [("test_parity.py", family, tiny_export(family)) for family in ARCHITECTURES
                 if family not in foreground_first]
     inductor += [("test_parity.py", "phi3", tiny_export("phi3", continuous_batching=True))]  # its engine test
-    inductor += [("test_parity.py", family, BF16_EXPORT) for family in BF16_BLOCK_KINDS]
+    inductor += [("test_parity.py", family, BF16_EXPORT) for family in BF16_BLOCK_KINDS]  # gpt2: a hit if made above
     inductor += [
-        ("test_quantization.py", "llama", dict(tiny_export("llama"), quantization="int8", backend="inductor")),
+        ("test_quantization.py", "llama", dict(tiny_export("llama", **STATIC_BATCHES), quantization="int8",
+                                               backend="inductor")),
         ("test_quantization.py", "smollm2", SMOLLM2_INT8_EXPORT),
         ("test_sampling.py", "llama", dict(tiny_export("llama"), on_device_sampling=True)),
         ("test_speculation.py", "llama", dict(tiny_export("llama", batch_size=1), speculation_length=3)),
@@ -51,13 +53,15 @@ def ahead_of_time_exports() -> list[tuple[str, str, dict]]:
                                                                             continuous_batching=True), num_cores=1))]
     neuron_exports += [("test_neuron_backend.py", family, dict(tiny_export(family, backend="neuron"), num_cores=2))
                        for family in ("gpt2", "mixtral")]
-    neuron_exports += [("test_neuron_backend.py", family, dict(NEURON_EXPORT, num_cores=2)) for family in ("mistral", "qwen2")]
+    neuron_exports += [("test_neuron_backend.py", family, dict(NEURON_EXPORT, **STATIC_BATCHES, num_cores=2))
+                       for family in ("mistral", "qwen2")]
     neuron_exports += [
         ("test_neuron_backend.py", "llama", dict(NEURON_EXPORT, batch_size=1, num_cores=2, speculation_length=3)),
-        ("test_neuron_backend.py", "llama", dict(NEURON_EXPORT, auto_cast_type="bf16")),
+        ("test_neuron_backend.py", "llama", dict(NEURON_EXPORT, **STATIC_BATCHES, auto_cast_type="bf16")),
         *[("test_neuron_backend.py", family, dict(BF16_EXPORT, backend="neuron")) for family in BF16_BLOCK_KINDS],
         ("test_neuron_backend.py", "smollm2", dict(SMOLLM2_EXPORT, backend="neuron")),
-        ("test_quantization.py", "llama", dict(tiny_export("llama"), quantization="int8", backend="neuron")),
+        ("test_quantization.py", "llama", dict(tiny_export("llama", **STATIC_BATCHES), quantization="int8",
+                                               backend="neuron")),
         ("test_sampling.py", "llama", dict(tiny_export("llama"), backend="neuron", on_device_sampling=True)),
     ]
     if importlib.util.find_spec("jax") is None:  # the [neuron] extra is not installed: those tests skip

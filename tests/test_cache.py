@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import seed_compile_cache, tiny_export
+from conftest import BF16_EXPORT, seed_compile_cache, tiny_export
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.cache import CompileCache
 from optimum_neuronx.backends.workers import COMPILE_WORKERS_ENV
@@ -87,10 +87,13 @@ def test_miss_says_which_field_differs(filled_cache, tiny_checkpoint):
 
 
 @pytest.mark.slow
-def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, compiled_model, tmp_path, caplog, monkeypatch):
-    # The session's qwen2 export (compiled in forked workers on a machine with 2+ cores), stored in a cache of its own
-    model = compiled_model("qwen2")
-    seed_compile_cache(tmp_path, tiny_checkpoint("qwen2"), model)
+def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, tmp_path, caplog, monkeypatch):
+    # A session export of 2 graphs (gpt2 in bfloat16, test_parity's; compiled in forked workers on a machine with 2+
+    # cores), stored in a cache of its own
+    export = lambda cache_dir: NeuronModelForCausalLM.from_pretrained(  # noqa: E731
+        tiny_checkpoint("gpt2"), export=True, compile_cache_dir=cache_dir, **BF16_EXPORT)
+    model = export(None)
+    seed_compile_cache(tmp_path, tiny_checkpoint("gpt2"), model)
     (entry, _), = CompileCache(tmp_path).entries()
     graph = entry / "model.pt2"
     data = bytearray(graph.read_bytes())
@@ -99,13 +102,13 @@ def test_corrupted_entry_is_evicted_and_recompiled(tiny_checkpoint, compiled_mod
     # This export compiles the graphs one after the other in this process: both must generate the same C++.
     monkeypatch.setenv(COMPILE_WORKERS_ENV, "1")
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
-        again = _export(tiny_checkpoint("qwen2"), tmp_path)
+        again = export(tmp_path)
     assert "is corrupted (model.pt2 does not match its sha256): evicted, recompiling" in caplog.text
     assert "Compile cache miss" in caplog.text and "Stored the compiled graphs in the compile cache" in caplog.text
     expected = model.generate(PROMPT, max_new_tokens=10, do_sample=False)
     assert torch.equal(again.generate(PROMPT, max_new_tokens=10, do_sample=False), expected)
     sources = _cpp_sources(model.artifact_dir / "model.pt2")
-    graphs = len(model.neuron_config.graphs())  # 5: prefill, 2 token, 2 fused
+    graphs = len(model.neuron_config.graphs())  # 2: context, token
     assert len(sources) == 2 * graphs and sources == _cpp_sources(again.artifact_dir / "model.pt2")  # 2 sources each
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import (ARCHITECTURES, BF16_BLOCK_KINDS, BF16_EXPORT, NEURON_EXPORT, SLIDING_WINDOW_FAMILIES,
-                      SMOLLM2_EXPORT, assert_bf16_logits_within_tolerance, assert_staggered_requests_match_generate_alone,
-                      left_padded_prompts, tiny_export)
+                      SMOLLM2_EXPORT, STATIC_BATCHES, assert_bf16_logits_within_tolerance,
+                      assert_staggered_requests_match_generate_alone, left_padded_prompts, tiny_export)
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.modeling.decoder import StaticDecoder
 from optimum_neuronx.verification import compare_generation
@@ -86,7 +86,7 @@ def test_every_architecture_matches_transformers(tiny_checkpoint, reference_mode
 @pytest.mark.parametrize("model_type", SLIDING_WINDOW_FAMILIES)
 def test_sliding_windows_match_transformers_across_devices(model_type, tiny_checkpoint, reference_model):
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint(model_type), export=True, num_cores=2,
-                                                   **NEURON_EXPORT)
+                                                   **dict(NEURON_EXPORT, **STATIC_BATCHES))
     result = _compare(model, reference_model(model_type))
     print(f"{model_type} tp_degree=2: {result.summary()}")
     assert result.tokens_match and result.max_logit_diff < 1e-4
@@ -221,7 +221,7 @@ def test_reload_runs_without_compiling(neuron_model, reference_model, tmp_path, 
 def test_bf16_export_is_within_bf16_noise(tiny_checkpoint, reference_model):
     # its own export: the Llama block in bfloat16 (neuron_model is float32)
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, auto_cast_type="bf16",
-                                                   **NEURON_EXPORT)
+                                                   **dict(NEURON_EXPORT, **STATIC_BATCHES))
     input_ids, attention_mask = left_padded_prompts([16, 11, 5], seed=5)
     assert_bf16_logits_within_tolerance(model, tiny_checkpoint, reference_model, input_ids, attention_mask)
 
@@ -316,7 +316,7 @@ def fake_neuronx_cc(tmp_path, monkeypatch):
 @pytest.mark.parametrize("instance_type, source, lnc", [("inf2.8xlarge", ".hlo.pb", None), ("trn2", ".mlir", "2")])
 def test_neffs_are_compiled_per_target_in_parallel(tiny_checkpoint, fake_neuronx_cc, instance_type, source, lnc):
     # its own export: the NEFF compile runs inside the export, for this instance type (static batches: 3 graphs)
-    static = dict(NEURON_EXPORT, continuous_batching=False)
+    static = dict(NEURON_EXPORT, **STATIC_BATCHES)
     model = NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, instance_type=instance_type,
                                                    compile_cache=False, **static)
     calls = fake_neuronx_cc()
@@ -355,7 +355,7 @@ def test_a_neff_compile_failure_names_the_graph_and_keeps_the_log(tiny_checkpoin
     with pytest.raises(RuntimeError, match=r"neuronx-cc failed to compile graph \w+ for trn1.32xlarge \(exit code "
                                            r"70\); its log: (\S+\.log)") as info:
         NeuronModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), export=True, instance_type="trn1.32xlarge",
-                                               compile_cache=False, **NEURON_EXPORT)
+                                               compile_cache=False, **dict(NEURON_EXPORT, **STATIC_BATCHES))
     log = info.value.args[0].rsplit("its log: ", 1)[1]
     assert "the fake compiler was told to fail" in open(log).read()
 

@@ -15,7 +15,7 @@ from optimum_neuronx.configuration import NeuronConfig
 from optimum_neuronx.modeling.quantization import dequantize, quantize_int8, quantize_weights
 
 import kernel_packages
-from conftest import SMOLLM2_INT8_EXPORT, left_padded_prompts, tiny_export
+from conftest import SMOLLM2_INT8_EXPORT, STATIC_BATCHES, left_padded_prompts, tiny_export
 
 BACKEND = get_backend("inductor")
 # (rows, in, out): lines plus a tail, a tail only, one line, long rows, one output, outputs the 2 threads split unevenly
@@ -113,7 +113,8 @@ def dequantized_reference(checkpoint, dtype=torch.float32):
 @pytest.fixture(scope="module")
 def int8_llama(tiny_checkpoint):
     return functools.cache(lambda backend: NeuronModelForCausalLM.from_pretrained(
-        tiny_checkpoint("llama"), export=True, **tiny_export("llama"), quantization="int8", backend=backend))
+        tiny_checkpoint("llama"), export=True, **tiny_export("llama", **STATIC_BATCHES), quantization="int8",
+        backend=backend))
 
 
 @pytest.mark.parametrize("backend", ["inductor", pytest.param("neuron", marks=pytest.mark.pjrt)])
