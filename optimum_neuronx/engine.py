@@ -20,7 +20,7 @@ from .backends.base import host_logits
 from .buckets import context_bucket, token_bucket
 from .configuration import NeuronConfig
 from .kv_cache import CacheHandle, DecodeStepInputs, StaticKVCache
-from .modeling.decoder import DecoderSpec
+from .modeling.spec import DecoderSpec
 from .modeling.sampling import SAMPLING_FIELDS
 
 
@@ -228,9 +228,13 @@ class Engine:
             start += k
         return outputs
 
+    def prefill_size(self, k: int) -> int:
+        """The tokens the prefill graph that takes a chunk of `k` computes (the chunk padded to its size)."""
+        return next(s for s in self.prefill_sizes if s >= k)
+
     def _prefill_chunk(self, row: int, ids: torch.Tensor, positions: torch.Tensor, start: int, last: int,
                        sampling: Optional[torch.Tensor] = None):
-        size = next(s for s in self.prefill_sizes if s >= ids.shape[0])
+        size = self.prefill_size(ids.shape[0])
         return self.graphs[f"prefill_{size}"](self._chunk_inputs(row, ids, positions, start, last, sampling, size,
                                                                  self.neuron_config.sequence_length))
 

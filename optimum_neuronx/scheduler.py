@@ -125,9 +125,10 @@ def check_request(request: Request, sequence_length: int, vocab_size: int) -> No
 
 class Scheduler:
     """One engine's requests. `max_waiting`: requests that may wait for a slot (beyond that `add` raises QueueFull);
-    `prefill_budget`: while other slots decode, the most prompt tokens encoded between two of their steps (at least
-    one chunk; default: the smallest context bucket), so a long prompt is spread over several steps instead of
-    stalling them. With no slot decoding, prompts are encoded in the largest chunks."""
+    `prefill_budget`: while other slots decode, the most prompt tokens the graphs compute between two of their steps
+    (a chunk counts as the size of the graph that takes it, padding included; at least one chunk; default: the
+    smallest context bucket), so a long prompt is spread over several steps instead of stalling them. With no slot
+    decoding, prompts are encoded in the largest chunks."""
 
     def __init__(self, engine: Engine, tokenizer=None, max_waiting: int = 16, prefill_budget: Optional[int] = None):
         self.engine, self.tokenizer = engine, tokenizer
@@ -180,17 +181,25 @@ class Scheduler:
                 self.engine.free(run.slot)
         # while slots decode, their next step waits for the prefill: within the budget; else nothing waits. One chunk
         # that a fused graph takes rides along with the decode step (one call: the weights read once for both).
+        # The budget counts the tokens the graphs compute: a chunk alone its prefill graph's size, a fused one the
+        # fused graphs' chunk. A chunk past what is left waits for the next step, unless it is the step's first.
         limit = self.prefill_budget if any(run.decoding for run in self.running.values()) else None
-        budget = limit if limit is not None else float("inf")
-        fused = None  # (run, chunk ids, sampling row)
-        for run in list(self.running.values()):
-            while not run.decoding and budget > 0:
-                ids, row = self._chunk(run, None if limit is None else int(min(budget, limit)))
-                budget -= len(ids)
-                if fused is None and limit is not None and len(ids) <= self.engine.fused_chunk:
-                    fused = (run, ids, row)
-                    break
+        spent, fused = 0, None  # fused: (run, chunk ids, sampling row)
+        encoding = [run for run in self.running.values() if not run.decoding]
+        while encoding and (limit is None or spent < limit):
+            run = encoding[0]
+            ids, row = self._chunk(run, None if limit is None else limit - spent)
+            fusable = fused is None and limit is not None and len(ids) <= self.engine.fused_chunk
+            cost = self.engine.fused_chunk if fusable else self.engine.prefill_size(len(ids))
+            if limit is not None and spent and spent + cost > limit:
+                break
+            spent += cost
+            if fusable:
+                fused = (run, ids, row)
+            else:
                 self._prefilled(run, ids, row, self.engine.prefill(run.slot, ids, row), outputs)
+            if fusable or run.decoding:
+                encoding.pop(0)
         decoding = [run for run in self.running.values() if run.decoding and run.next_token is not None]
         if decoding:
             rows = torch.cat([run.request.sampling_row(run.generator, self.engine.vocab_size) for run in decoding])

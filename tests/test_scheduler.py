@@ -29,6 +29,9 @@ class ScriptedEngine:
     def chunk(self, remaining: int, limit=None, total: int = 0) -> int:
         return min(remaining, CHUNK if limit is None else max(min(limit, CHUNK), 4))
 
+    def prefill_size(self, k: int) -> int:  # prefill graphs of 4 and CHUNK tokens
+        return 4 if k <= 4 else CHUNK
+
     def _logits(self, slot: int) -> torch.Tensor:
         logits = torch.zeros(1, VOCAB)
         logits[0, self._next[slot].pop(0)] = 1.0
@@ -121,6 +124,23 @@ def test_with_fused_graphs_each_chunk_rides_along_with_a_decode_step_in_one_call
     assert together == alone
     assert calls[2:6] == [("fused", (0,), 1, 8), ("fused", (0,), 1, 8), ("fused", (0,), 1, 8), ("step", (0,))]
     assert calls[6] == ("prefill", 1, 7)  # slots 24..30 reach past the fused graphs' window: the chunk alone
+
+
+def test_the_budget_counts_the_tokens_the_graphs_compute():
+    # A 3-token prompt fused into a step costs the fused graphs' whole chunk (8 = the budget): the next prompt's first
+    # chunk waits for the next step instead of running alone beside it (a second call holding the decode step back).
+    engine = ScriptedEngine({40: [70] * 8, 41: [71] * 8, 42: [72] * 8}, slots=3, fused_chunk=CHUNK, fused_up_to=64)
+    scheduler = Scheduler(engine, max_waiting=2, prefill_budget=CHUNK)
+    scheduler.add(Request([40, 3], 6, "decoding"))
+    scheduler.step()
+    scheduler.add(Request([41, 3, 4], 2, "short"))
+    scheduler.add(Request([42] + [3] * 12, 2, "long"))
+    steps = []
+    for _ in range(3):
+        engine.calls.clear()
+        scheduler.step()
+        steps.append([c for c in engine.calls if c[0] != "free"])
+    assert steps == [[("fused", (0,), 1, 3)], [("fused", (0, 1), 2, 8)], [("fused", (0,), 2, 5)]]  # short: done
 
 
 def test_with_no_slot_decoding_a_prompt_is_encoded_in_the_largest_chunks_at_once():

@@ -32,9 +32,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a free slot; past slots + this a request gets 429 "
                              "(default: 4 x batch_size)")
     parser.add_argument("--prefill_budget", type=int, default=None,
-                        help="while requests decode, the most prompt tokens encoded between two of their steps "
-                             "(default: the smallest context bucket; with none decoding, prompts go in the largest "
-                             "chunks)")
+                        help="while requests decode, the most prompt tokens encoded between two of their steps, "
+                             "each chunk counted as the size of the graph that takes it (default: the smallest "
+                             "context bucket; with none decoding, prompts go in the largest chunks)")
     parser.add_argument("--replicas", type=int, default=0,
                         help="serve N replicas behind one endpoint on Ray Serve (the [ray] extra); 0: one engine, "
                              "no Ray")
