@@ -11,8 +11,10 @@ and records when each token arrives: output tokens/s (all output tokens over the
 last token), time to first token (TTFT) and inter-token latency (ITL) p50/p99. Baselines on the same requests:
 (a) one at a time through the same server; (b) static-batch `generate` in batches of batch_size in arrival order,
 each batch generating its longest request's length and starting once its last request has arrived and the batch
-before it is done (each batch's time measured in-process; "offline": every request there at once). The median
-decode step is the engine stepping all batch_size slots, timed in-process. Writes results.json and results.md.
+before it is done (each batch's time measured in-process; "offline": every request there at once). "Of the arrival
+bound": the share of what the arrivals allow (each request done as fast as alone, from its arrival): at low rates
+no server can reach the others' multiples. The median decode step is the engine stepping all batch_size slots, timed
+in-process. Writes results.json and results.md.
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ def static_under_arrivals(requests, batch_size: int, batch_seconds: list[float],
     return {"output_tok_s": tokens / end, "tokens": tokens, "seconds": end}
 
 
+def arrival_bound(requests, delays: list[float], alone_tok_s: float) -> float:
+    """About the most output tokens/s any server gets at these arrivals: each request done, from its arrival, as fast
+    as requests served alone average (tokens over the time from the first arrival to the last request's end)."""
+    end = max(delay + max_tokens / alone_tok_s for delay, (_, max_tokens) in zip(delays, requests))
+    return sum(m for _, m in requests) / end
+
+
 def step_times_ms(model, requests, steps: int = 40) -> dict:
     """Median times of what one continuous-batching iteration runs at full load: the engine stepping every slot
     ("decode"), a prefill chunk of the smallest context bucket alone ("chunk") and both in one fused call ("fused":
@@ -172,6 +181,8 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="requests per second")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 128], help="the server's --prefill_budget")
     parser.add_argument("--one-at-a-time", type=int, default=16, help="requests served alone for baseline (a)")
+    parser.add_argument("--context-buckets", type=int, nargs="+", default=EXPORT["context_buckets"],
+                        help="the export's context buckets; the smallest is the chunk a fused step carries")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-serving"))
@@ -185,11 +196,12 @@ def main() -> None:
     from optimum_neuronx import NeuronModelForCausalLM
     from optimum_neuronx.utils.smollm2 import convert_smollm2
 
+    export = dict(EXPORT, context_buckets=sorted(args.context_buckets))
     work = args.output_dir / "work"
     checkpoint = convert_smollm2(work / "smollm2")
-    export_dir = work / "export"
+    export_dir = work / ("export-" + "-".join(map(str, export["context_buckets"])))
     if not (export_dir / "neuron_config.json").is_file():
-        NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, **EXPORT).save_pretrained(export_dir)
+        NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, **export).save_pretrained(export_dir)
     vocab = AutoConfig.from_pretrained(checkpoint).vocab_size
     requests = workload(args.requests, vocab, args.seed)
     rng = random.Random(args.seed + 1)
@@ -201,7 +213,7 @@ def main() -> None:
             t += rng.expovariate(rate)
         arrivals[rate] = delays
 
-    results = {"export": EXPORT, "requests": args.requests, "server": [], "cpu": os.cpu_count()}
+    results = {"export": export, "requests": args.requests, "server": [], "cpu": os.cpu_count()}
     for budget in args.budgets:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -224,12 +236,15 @@ def main() -> None:
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(120)
-    static = static_batches(export_dir, requests, EXPORT["batch_size"])
+    static = static_batches(export_dir, requests, export["batch_size"])
     results["static_generate"] = {
-        "offline": static_under_arrivals(requests, EXPORT["batch_size"], static["batch_seconds"],
+        "offline": static_under_arrivals(requests, export["batch_size"], static["batch_seconds"],
                                          [0.0] * len(requests)),
-        **{str(rate): static_under_arrivals(requests, EXPORT["batch_size"], static["batch_seconds"], arrivals[rate])
+        **{str(rate): static_under_arrivals(requests, export["batch_size"], static["batch_seconds"], arrivals[rate])
            for rate in args.rates}}
+    results["arrival_bound"] = {str(rate): arrival_bound(requests, arrivals[rate],
+                                                         results["one_at_a_time"]["output_tok_s"])
+                                for rate in args.rates}
     results["median_decode_step_ms"] = static["step_ms"]["decode"]
     results["median_step_ms"] = static["step_ms"]
     print(f"static generate: {results['static_generate']}", flush=True)
@@ -241,19 +256,22 @@ def main() -> None:
 def markdown(results: dict) -> str:
     alone, step = results["one_at_a_time"]["output_tok_s"], results["median_decode_step_ms"]
     static = results["static_generate"]
-    lines = ["| system | prefill budget | rate (req/s) | output tok/s | vs one at a time | vs static generate | "
-             "TTFT p50 / p99 ms | ITL p50 / p99 ms | ITL p99 / median step |", "|---|---|---|---|---|---|---|---|---|"]
+    bounds = results.get("arrival_bound", {})
+    lines = ["| system | prefill budget | rate (req/s) | output tok/s | of the arrival bound | vs one at a time | "
+             "vs static generate | TTFT p50 / p99 ms | ITL p50 / p99 ms | ITL p99 / median step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["server"]:
-        baseline = static[str(r["rate"])]["output_tok_s"]
+        baseline, bound = static[str(r["rate"])]["output_tok_s"], bounds.get(str(r["rate"]))
+        share = "" if bound is None else f"{r['output_tok_s'] / bound:.0%} of {bound:.1f}"
         lines.append(f"| server (continuous batching) | {r['budget']} | {r['rate']} | {r['output_tok_s']:.1f} | "
-                     f"{r['output_tok_s'] / alone:.2f}x | {r['output_tok_s'] / baseline:.2f}x | "
+                     f"{share} | {r['output_tok_s'] / alone:.2f}x | {r['output_tok_s'] / baseline:.2f}x | "
                      f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.0f} / "
                      f"{r['itl_p99_ms']:.0f} | {r['itl_p99_ms'] / step:.2f} |")
     batch = results["export"]["batch_size"]
     for key, row in static.items():
-        lines.append(f"| (b) static generate, batches of {batch} | | {key} | {row['output_tok_s']:.1f} | "
+        lines.append(f"| (b) static generate, batches of {batch} | | {key} | {row['output_tok_s']:.1f} | | "
                      f"{row['output_tok_s'] / alone:.2f}x | 1.00x | | | |")
-    lines.append(f"| (a) one at a time (server) | | - | {alone:.1f} | 1.00x | | | | |")
+    lines.append(f"| (a) one at a time (server) | | - | {alone:.1f} | | 1.00x | | | | |")
     lines.append(f"\nMedian decode step (all {batch} slots): {step:.1f} ms.")
     times = results["median_step_ms"]
     if "fused" in times:
