@@ -1,4 +1,5 @@
-"""Export Transformers causal LMs to static-shape compiled graphs (AWS Neuron; CPU/CUDA via AOTInductor)."""
+"""Export Transformers causal LMs to static-shape compiled graphs: AWS Neuron (StableHLO through PJRT) and the CPU
+(AOTInductor)."""
 
 from .configuration import NeuronConfig
 from .version import __version__

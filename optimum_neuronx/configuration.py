@@ -304,9 +304,6 @@ class NeuronConfig:
             raise ValueError(f"Unknown NeuronConfig fields {sorted(unknown)}; known fields: {sorted(known)}.")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
-    def to_json_string(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
     @classmethod
     def for_model(cls, config: Any, **options) -> "NeuronConfig":
         """A NeuronConfig for the model `config` (a Transformers config) describes: `options` as given (None: unset),

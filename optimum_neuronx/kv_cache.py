@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .modeling.decoder import DecoderSpec
+from .modeling.spec import DecoderSpec
 
 
 class StaticKVCache:

@@ -7,16 +7,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .configuration import GIB, InstanceType, NeuronConfig
-from .modeling.decoder import DecoderSpec, StaticDecoder
+from .modeling.decoder import StaticDecoder
+from .modeling.spec import DecoderSpec
 from .modeling.sharding import kv_heads_fit
-
-
-def parameter_count(spec: DecoderSpec) -> int:
-    """Exact count, from the decoder itself built on the meta device (no memory is allocated)."""
-    import torch
-
-    with torch.device("meta"):
-        return sum(p.numel() for p in StaticDecoder(spec).parameters())
 
 
 def weight_bytes(spec: DecoderSpec, neuron_config: NeuronConfig) -> int:

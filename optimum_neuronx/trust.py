@@ -8,13 +8,14 @@ export's config and weights (data) instead. docs/security.md says what a user tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import time
 from pathlib import Path
 
-from .artifacts import export_identity
+from .artifacts import compiled_code_problem, export_identity, read_artifact
 from .digests import file_sha256
 
 logger = logging.getLogger(__name__)
@@ -111,3 +112,38 @@ def cache_entry_recorded(entry_dir: str | Path, entry_meta: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and data.get("entry") == str(Path(entry_dir).resolve())
+
+
+@dataclasses.dataclass(frozen=True)
+class TrustDecision:
+    """What loading does with an export's compiled graphs: "load" them, or "rebuild" them here from its config and
+    weights. `cannot_run`: why its graphs cannot run on this machine ("" if they can: then a rebuild means they are
+    not trusted). `neuron_config` and `meta`: the export as read for the decision."""
+
+    action: str
+    cannot_run: str
+    neuron_config: object
+    meta: dict
+
+
+def trust_decision(artifact_dir: Path, downloaded: bool, trust_remote_code: bool) -> TrustDecision:
+    """Load the graphs of an export this machine produced (or the caller trusts) that can run here; rebuild any
+    other's. Digests are checked for an export from a new source (a download, a path it was not recorded at, one not
+    produced here); a damaged export raises ArtifactError."""
+    origins = []  # the provenance of the neuron_config.json bytes read_artifact parses
+
+    def digests_needed(identity: str) -> bool:
+        origins.append(provenance(artifact_dir, identity))
+        return downloaded or origins[-1] != "here"
+
+    neuron_config, meta = read_artifact(artifact_dir, check_digests=digests_needed)
+    problem = compiled_code_problem(artifact_dir, meta)
+    if problem:
+        return TrustDecision("rebuild", problem, neuron_config, meta)
+    if origins[-1] != "foreign":
+        record_produced_here(artifact_dir, "copied", meta["identity"])
+        return TrustDecision("load", "", neuron_config, meta)
+    if trust_remote_code:
+        record_produced_here(artifact_dir, "trusted by the user", meta["identity"])
+        return TrustDecision("load", "", neuron_config, meta)
+    return TrustDecision("rebuild", "", neuron_config, meta)

@@ -64,7 +64,7 @@ def load_weights(directory: str | Path, meta: dict, huge_pages: bool = False) ->
     compiler = meta["versions"]["compiler"]
     packable = set(compiler.get("packable_weights", ()))
     if huge_pages:
-        weights = _read_into_huge_pages(path, exclude=packable)
+        weights = read_into_huge_pages(path, exclude=packable)
     else:
         with safe_open(path, framework="pt") as f:
             weights = {name: f.get_tensor(name) for name in f.keys() if name not in packable}
@@ -85,7 +85,7 @@ HUGE_PAGE_TARGET = 0.98
 MIN_HUGE_PAGE_SHARE = 0.9
 
 
-def _read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
+def read_into_huge_pages(path: str, exclude: set, chunk_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file at `path` but `exclude`, read into one huge_page_buffer, each starting
     on a WEIGHTS_ALIGNMENT boundary, as many of its pages in huge pages as the kernel gives after a collapse and,
     where short, another with the file's page cache dropped (memory full and fragmented: 880 MiB of 2.1 GB on this

@@ -92,7 +92,7 @@ def _assert_close(out, expected):
 
 
 def _runs_here(isa):
-    return all(cpu_has(feature) for feature in ISA_NEEDS[isa]) and BACKEND.has_dot_kernel(torch.float32)
+    return all(cpu_has(feature) for feature in ISA_NEEDS[isa]) and bool(BACKEND.dot_kernel_isa(torch.float32))
 
 
 kernel_packages.register("decode_attention", lambda isa, dtype: _runs_here(isa),
@@ -152,7 +152,7 @@ def test_fake_kernel_names_bad_operands():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 def test_decode_lowering_uses_the_attention_kernel_where_the_dot_kernel_builds(dtype, monkeypatch):
-    if not BACKEND.has_dot_kernel(dtype):
+    if not BACKEND.dot_kernel_isa(dtype):
         pytest.skip(f"no {dtype} kernels on this machine")
     for batch in (1, 4):
         lowering = BACKEND.kernels(dtype, batch_size=batch)

@@ -158,7 +158,7 @@ def test_bandwidth_probe_reports_each_kernel(bench):
     probe = bench.BandwidthProbe(torch.bfloat16, megabytes=8)
     sample = probe.sample(repeats=1)
     expected = {"gemv_gb_s", "copy_gb_s", "reduction_gb_s"}
-    if get_backend("inductor").has_dot_kernel(torch.bfloat16):
+    if get_backend("inductor").dot_kernel_isa(torch.bfloat16):
         expected.add("dot_kernel_gb_s")
         out = probe.dot_kernel(probe.x, probe.weight)
         torch.testing.assert_close(out.float(), torch.nn.functional.linear(probe.x.float(), probe.weight.float()),

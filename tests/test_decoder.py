@@ -94,7 +94,7 @@ def test_stacked_layers_compute_what_unrolled_layers_do():
 def test_stacked_layers_unrolled_over_their_slices_compute_what_the_loop_does():
     # Kernels.scan_layers False (compilers without `scan`): the same stacked weights, the layers unrolled; no scan
     # in the exported graph.
-    from optimum_neuronx.modeling.decoder import Kernels
+    from optimum_neuronx.modeling.kernels import Kernels
 
     class Unrolled(Kernels):
         scan_layers = False
@@ -184,7 +184,7 @@ def test_experts_gathered_for_few_tokens_compute_what_every_expert_mixed_does():
     # One token picking 2 of 8 experts runs those 2 experts' gathered weights; 8 tokens run every expert, mixed.
     import dataclasses
 
-    from optimum_neuronx.modeling.decoder import mixture_of_experts
+    from optimum_neuronx.modeling.layers import mixture_of_experts
 
     spec = dataclasses.replace(_decoder().spec, mlp="moe", num_experts=8, experts_per_token=2, intermediate_size=24)
     generator = torch.Generator().manual_seed(0)

@@ -10,6 +10,7 @@ import torch
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.artifacts import ArtifactError
 from optimum_neuronx.exporters import export as export_module
+from optimum_neuronx.loading import load_export
 
 MODEL = "llama"
 
@@ -157,7 +158,7 @@ def test_stale_or_foreign_artifact_refused(damaged, edit, message):
     # Loading the compiled graphs as they are (from_pretrained rebuilds those it cannot run: test_optimum_neuron_compat)
     _edit_json(damaged / "neuron_config.json", edit)
     with pytest.raises(ArtifactError, match=message):
-        NeuronModelForCausalLM._from_artifact(damaged)
+        load_export(damaged)
 
 
 def test_export_is_stamped_with_the_cpu_it_compiled_for(saved_tiny_llama):
@@ -178,7 +179,7 @@ def test_export_needing_an_instruction_set_this_cpu_lacks_refused(damaged, monke
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
     with pytest.raises(ArtifactError, match=r"compiled for the vector instructions 'avx512 avx512_vnni'; this CPU "
                                             r"lacks avx512 \(it supports: .*\)\. Load it with"):
-        NeuronModelForCausalLM._from_artifact(damaged)
+        load_export(damaged)
 
 
 def test_loading_needs_no_cpp_compiler(saved_tiny_llama, compiled_model, tmp_path):

@@ -295,9 +295,9 @@ def test_cache_create_synchronize_and_lookup_through_the_hub(hub, tiny_checkpoin
 
 
 NEURON_CONFIG_FROM_HUB = """
-import sys
+import json, sys
 from optimum_neuronx import NeuronConfig
-print(NeuronConfig.from_pretrained(sys.argv[1]).to_json_string())
+print(json.dumps(NeuronConfig.from_pretrained(sys.argv[1]).to_dict()))
 """
 
 

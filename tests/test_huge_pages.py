@@ -10,7 +10,7 @@ from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx import weights_io as artifacts_module
 from optimum_neuronx import huge_pages as huge_pages_module
 from optimum_neuronx.artifacts import ArtifactError, read_artifact
-from optimum_neuronx.weights_io import _read_into_huge_pages, load_weights, save_weights
+from optimum_neuronx.weights_io import load_weights, read_into_huge_pages, save_weights
 from optimum_neuronx.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer, huge_page_share, transparent_huge_pages
 
 linux_only = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="MADV_HUGEPAGE is Linux's")
@@ -129,7 +129,7 @@ def test_huge_pages_where_the_kernel_has_none(saved_tiny_llama, monkeypatch):
                                          r"Pass huge_pages=False"):
         NeuronModelForCausalLM.from_pretrained(saved_tiny_llama, huge_pages=True)
     loaded = []
-    monkeypatch.setattr("optimum_neuronx.runtime.load_weights",
+    monkeypatch.setattr("optimum_neuronx.loading.load_weights",
                         lambda directory, meta, huge_pages: loaded.append(huge_pages) or load_weights(directory, meta))
     NeuronModelForCausalLM.from_pretrained(saved_tiny_llama)  # the default: memory-mapped, no error
     assert loaded == [False]
@@ -142,4 +142,4 @@ def test_weights_beyond_the_end_of_the_file_are_refused(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 16)
     with pytest.raises(ArtifactError, match=r"the tensors cover 16416 bytes of data, the file holds 16400"):
-        _read_into_huge_pages(str(path), exclude=set())
+        read_into_huge_pages(str(path), exclude=set())

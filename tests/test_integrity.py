@@ -13,7 +13,7 @@ import torch
 
 from conftest import left_padded_prompts
 from optimum_neuronx import NeuronModelForCausalLM
-from optimum_neuronx import runtime as runtime_module
+from optimum_neuronx import trust as trust_module
 from optimum_neuronx.artifacts import ArtifactError
 from optimum_neuronx.trust import provenance
 from test_trust import EVIL_C, evil_so, rewrite_package  # noqa: F401 (fixture)
@@ -66,14 +66,14 @@ def test_a_package_renamed_over_after_it_was_hashed_is_never_loaded(recorded_cop
         graph_so = next(name for name in archive.namelist() if name.endswith(".so"))
     rewrite_package(evil, replace={graph_so: evil_so})
     marker = tmp_path / "marker"
-    original = runtime_module.read_artifact
+    original = trust_module.read_artifact  # what the trust decision reads the export with
 
     def read_then_swap(*args, **kwargs):
         result = original(*args, **kwargs)
         os.replace(evil, recorded_copy / "model.pt2")
         return result
 
-    monkeypatch.setattr(runtime_module, "read_artifact", read_then_swap)
+    monkeypatch.setattr(trust_module, "read_artifact", read_then_swap)
     monkeypatch.setenv("EVIL_MARKER", str(marker))
     with pytest.raises(ArtifactError, match=r"model.pt2 does not match its sha256"):
         NeuronModelForCausalLM.from_pretrained(recorded_copy)

@@ -59,7 +59,7 @@ def _inputs(dtype):
 
 def _runs_here(isa, dtype):
     return dtype in DOT_ISA[isa] and all(cpu_has(feature) for feature in DOT_ISA[isa][dtype]) \
-        and BACKEND.has_dot_kernel(dtype)
+        and bool(BACKEND.dot_kernel_isa(dtype))
 
 
 PIECES = 4096
@@ -194,7 +194,7 @@ def test_fake_kernel_names_bad_operands():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 def test_decode_lowering_uses_the_kernel_up_to_four_rows_and_packs_nothing(dtype, monkeypatch):
-    if not BACKEND.has_dot_kernel(dtype):
+    if not BACKEND.dot_kernel_isa(dtype):
         pytest.skip(f"no {dtype} dot kernel on this machine")
     best = next(isa for isa in DOT_ISA if dtype in DOT_ISA[isa] and _runs_here(isa, dtype))
     avx512 = best.startswith("avx512")
@@ -229,7 +229,8 @@ def test_decode_lowering_uses_the_kernel_up_to_four_rows_and_packs_nothing(dtype
 def test_weights_the_kernel_reads_are_never_packed(tied):
     # An export packs weights for oneDNN at load only when its token graphs' rows (the batch) are past the
     # kernel's: the kernel reads them plain. (Built on the meta device: no memory.)
-    from optimum_neuronx.modeling.decoder import DecoderSpec, StaticDecoder
+    from optimum_neuronx.modeling.decoder import StaticDecoder
+    from optimum_neuronx.modeling.spec import DecoderSpec
 
     spec = DecoderSpec(vocab_size=256, hidden_size=576, intermediate_size=3072, num_layers=2, num_heads=9,
                        num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, hidden_act="silu", qkv_bias=False,

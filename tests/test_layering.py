@@ -1,6 +1,6 @@
-"""The package's imports run one way: commands / pipelines -> server -> runtime, scheduler -> engine -> exporters ->
-artifacts, cache, hub -> backends -> modeling -> configuration, with no cycles (docs/architecture.md).
-Function-level imports count too."""
+"""The package's imports run one way: commands / pipelines -> server -> runtime, scheduler -> engine, loading,
+generation -> exporters -> artifacts, cache, hub -> backends -> modeling -> configuration, with no cycles
+(docs/architecture.md). Function-level imports count too."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ LAYERS = [
     ("backends",),
     ("artifacts", "weights_io", "trust", "cache", "hub"),
     ("exporters",),
-    ("kv_cache", "engine"),
+    ("kv_cache", "engine", "loading", "generation"),
     ("scheduler", "runtime", "verification", "utils"),
     ("server",),
     ("pipelines", "commands", "serve", "__init__"),

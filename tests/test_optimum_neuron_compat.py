@@ -12,6 +12,7 @@ import torch
 
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.artifacts import ArtifactError
+from optimum_neuronx.loading import load_export
 
 OPTIMUM_CLI = str(Path(sys.executable).parent / "optimum-cli")
 SMALL = dict(batch_size=1, sequence_length=32, context_buckets=[16], token_buckets=[32])
@@ -88,7 +89,7 @@ def test_an_export_of_another_version_is_rebuilt_here(saved_tiny_llama, compiled
     meta["versions"]["torch"] = "2.0.0"
     (copy / "neuron_config.json").write_text(json.dumps(meta))
     with pytest.raises(ArtifactError, match=r"cannot run here: its graphs were compiled with torch 2.0.0"):
-        NeuronModelForCausalLM._from_artifact(copy)
+        load_export(copy)
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
         model = NeuronModelForCausalLM.from_pretrained(copy, trust_remote_code=True)
     assert "cannot run here: its graphs were compiled with torch 2.0.0" in caplog.text

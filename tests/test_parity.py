@@ -364,7 +364,7 @@ def test_blocked_causal_attention_matches_sdpa(dtype, block):
     # than the others and left padding filling a whole block. Padding queries see no key: their outputs (never
     # read) may differ, but are not NaN.
     from optimum_neuronx.modeling.attention import attention, attention_masks
-    from optimum_neuronx.modeling.decoder import Kernels
+    from optimum_neuronx.modeling.kernels import Kernels
 
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, n_rep, tokens, head_dim = 3, 2, 3, 150, 16

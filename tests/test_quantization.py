@@ -51,7 +51,7 @@ class _Int8Projections(torch.nn.Module):
 
 
 def _int8_runs_here(isa, dtype):
-    return isa in ISAS and all(cpu_has(f) for f in ISAS[isa]) and BACKEND.has_dot_kernel(torch.float32)
+    return isa in ISAS and all(cpu_has(f) for f in ISAS[isa]) and bool(BACKEND.dot_kernel_isa(torch.float32))
 
 
 def _int8_graph(dtype):

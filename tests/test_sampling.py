@@ -71,14 +71,15 @@ def sampling_model(tiny_checkpoint):
 
 def _served_on_device(model, monkeypatch):
     """Count the generate calls that ran with on-device sampling (the request the graphs got)."""
+    from optimum_neuronx import generation
+
     requests = []
-    original = model._on_device_request
 
     def record(*args, **kwargs):
-        requests.append(original(*args, **kwargs))
+        requests.append(generation.on_device_sampler(*args, **kwargs))
         return requests[-1]
 
-    monkeypatch.setattr(model, "_on_device_request", record)
+    monkeypatch.setattr("optimum_neuronx.runtime.on_device_sampler", record)
     return requests
 
 
@@ -174,7 +175,7 @@ def test_requests_the_graphs_cannot_do_fall_back_to_the_logits(sampling_model, r
 def test_top_k_past_the_graphs_candidates_runs_on_the_logits():
     from transformers import GenerationConfig
 
-    from optimum_neuronx.runtime import on_device_blockers
+    from optimum_neuronx.generation import on_device_blockers
 
     config = GenerationConfig(do_sample=True, top_k=MAX_TOP_K + 1)
     assert on_device_blockers(config, {}, vocab_size=1000) == [f"top_k={MAX_TOP_K + 1} (more than {MAX_TOP_K})"]

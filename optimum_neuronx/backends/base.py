@@ -9,7 +9,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..configuration import GraphSpec, NeuronConfig
-from ..modeling.decoder import Kernels
+from ..modeling.kernels import Kernels
 
 
 # A loaded graph takes the decoder's flat inputs (StaticDecoder.example_inputs' order) and returns logits; a graph
@@ -53,7 +53,7 @@ class Backend(ABC):
     quantizations: tuple[str, ...] = ()
 
     def kernels(self, dtype: torch.dtype, batch_size: int, quantization: str | None = None) -> Kernels:
-        """How the decoder computes its projections, attention and cache write (modeling/decoder.py `Kernels`)."""
+        """How the decoder computes its projections, attention and cache write (modeling/kernels.py `Kernels`)."""
         return Kernels()
 
     def packable_weight_names(self, decoder: torch.nn.Module) -> list[str]:

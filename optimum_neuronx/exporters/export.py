@@ -20,7 +20,8 @@ from ..digests import file_sha256
 from ..backends import Backend, get_backend
 from ..configuration import GraphSpec, NeuronConfig
 from ..memory import check_fits_host_memory, check_fits_neuron_cores, estimate_memory
-from ..modeling.decoder import DecoderSpec, StaticDecoder
+from ..modeling.decoder import StaticDecoder
+from ..modeling.spec import DecoderSpec
 from ..modeling.quantization import dequantize_weights, quantize_weights
 from ..modeling.sharding import ShardLayout
 from ..trust import record_produced_here

@@ -14,7 +14,7 @@ from typing import Mapping, Union
 import torch
 
 from ..configuration import NeuronConfig
-from ..modeling.decoder import DecoderSpec, window_cache_places
+from ..modeling.spec import DecoderSpec, window_cache_places
 from ..modeling.layout import untile_weight
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class ExportConfig:
     scalars: Mapping[str, object] = field(default_factory=dict)
     # The config field listing, per layer, 1 where it applies RoPE and 0 where it uses no position encoding.
     rope_layers: str | None = None
-    # The block's kinds (modeling.decoder NORMS, POSITIONS, MLPS).
+    # The block's kinds (modeling.spec NORMS, POSITIONS, MLPS).
     norm: str = "rms"
     positions: str = "rope"
     mlp: str = "gated"

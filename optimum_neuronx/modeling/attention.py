@@ -1,6 +1,6 @@
 """What a graph's new tokens read and write in the KV cache: the additive attention masks (per group of rows, per kind
 of layer: plain, sliding window over the token window, ring), attention over them, and the write of the new K and V
-after the last layer (modeling/decoder.py runs the layers between)."""
+after the last layer (modeling/layers.py runs the layers between)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .spec import LAYER_PROJECTIONS
+
 # The layer projections quantized (MoE experts and the router are not).
-QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "up_proj", "down_proj")
+QUANTIZED_PROJECTIONS = LAYER_PROJECTIONS
 INT8_MAX = 127
 
 
@@ -40,16 +42,14 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weights(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Float weights (decoder names) with the projections quantized to int8 (+ their scales) and the rest in
-    `dtype`. Weights already int8 (an export being rebuilt) are kept with their scales."""
+    """Float weights (decoder names) with the projections quantized to int8 (+ their scales) and the rest in `dtype`
+    (a quantized export being rebuilt is dequantized first: `dequantize_weights`)."""
     out = {}
     for name, weight in weights.items():
-        if name.endswith(".scale"):
-            out[name] = weight
-        elif is_quantized_weight(name) and weight.dtype != torch.int8:
+        if is_quantized_weight(name):
             out[name], out[scale_name(name)] = quantize_int8(weight)
         else:
-            out[name] = weight if weight.dtype == torch.int8 else weight.to(dtype)
+            out[name] = weight.to(dtype)
     return out
 
 

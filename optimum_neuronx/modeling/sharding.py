@@ -16,16 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoder import DecoderSpec
+from .spec import COLUMN_PARALLEL_PROJECTIONS, ROW_PARALLEL_PROJECTIONS, DecoderSpec
 
 # Weight name suffix -> the axis (counted from the end) split across shards; every other weight is replicated.
 # Column-parallel projections split their outputs (and their int8 scales), row-parallel ones their inputs (their bias
 # and scales are applied whole).
 SHARDED_AXES = {
-    "qkv_proj.weight": -2, "qkv_proj.bias": -1, "qkv_proj.scale": -1,
-    "gate_up_proj.weight": -2, "gate_up_proj.bias": -1, "gate_up_proj.scale": -1,
-    "up_proj.weight": -2, "up_proj.bias": -1, "up_proj.scale": -1,  # a plain MLP's (gpt2)
-    "o_proj.weight": -1, "down_proj.weight": -1,
+    **{f"{name}.{part}": axis for name in COLUMN_PARALLEL_PROJECTIONS
+       for part, axis in (("weight", -2), ("bias", -1), ("scale", -1))},
+    **{f"{name}.weight": -1 for name in ROW_PARALLEL_PROJECTIONS},
     "lm_head.weight": -2,
     # every expert cut like a gated MLP: [experts, 2 I, H] by its outputs, [experts, H, I] by its inputs
     "experts_gate_up.weight": -2, "experts_down.weight": -1,

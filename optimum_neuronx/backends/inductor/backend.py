@@ -29,6 +29,7 @@ from .build import objects_compiled_together
 from .codegen import codegen_options, decode_codegen, inductor_options
 from .custom_kernels import DOT_KERNEL_ISAS, c_shim_options, kernel_digests
 from .lowering import Lowering
+from .ops import KERNEL_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,9 @@ PACKAGE_NAME = "model.pt2"
 # The package metadata entry holding each graph's input and weight shapes (graph_signature).
 SIGNATURE_KEY = "optimum_neuronx.signature"
 # Graphs check their inputs' shapes, strides and dtypes on every call (AOTInductor's generated checks, a few integer
-# comparisons): an input they were not compiled for raises instead of being read out of bounds.
-os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
+# comparisons) where this is set when the first graph runs: an input they were not compiled for raises instead of
+# being read out of bounds. `load` sets it unless the user did.
+CHECK_INPUTS_ENV = "AOTI_RUNTIME_CHECK_INPUTS"
 
 # x86 vector instruction sets named in an export's target -> the torch.cpu probe that says this CPU has them.
 X86_FEATURE_PROBES = {
@@ -48,8 +50,6 @@ X86_FEATURE_PROBES = {
     "amx_tile": "_is_amx_tile_supported",
     "amx_fp16": "_is_amx_fp16_supported",
 }
-# Decode rows up to which projections use our dot-product kernel (one accumulator per row of x).
-DOT_KERNEL_ROWS = 4
 # The smallest batch each variant of the dot kernel takes (AVX2 at one row is no faster than the multiply + sum).
 DOT_KERNEL_MIN_BATCH = {"avx512_bf16": 1, "avx512": 1, "avx2": 2}
 # The dot kernel variant that reads tiled weights of each dtype (tuning.json's weight_tile).
@@ -134,7 +134,7 @@ class InductorBackend(Backend):
     quantizations = ("int8",)
 
     def kernels(self, dtype: torch.dtype, batch_size: int, quantization: str | None = None) -> Lowering:
-        # Decode projections of up to DOT_KERNEL_ROWS rows: our dot kernel where it builds, else one fused multiply +
+        # Decode projections of up to KERNEL_ROWS rows: our dot kernel where it builds, else one fused multiply +
         # sum per row; prefill and larger batches: oneDNN (weights packed at load past the kernel's rows). Decode
         # attention: our kernel or fused reductions; prefill attention: SDPA in 128-token causal blocks.
         if not dtype.is_floating_point:
@@ -142,7 +142,7 @@ class InductorBackend(Backend):
         gemm_dtype = self.gemm_dtype(dtype)
         onednn = gemm_dtype == dtype and torch.backends.mkldnn.is_available()
         isa = self.dot_kernel_isa(dtype)
-        dot_rows = DOT_KERNEL_ROWS if isa and batch_size >= DOT_KERNEL_MIN_BATCH[isa] else 0
+        dot_rows = KERNEL_ROWS if isa and batch_size >= DOT_KERNEL_MIN_BATCH[isa] else 0
         attention_kernel = bool(isa)
         packed_rows = batch_size if onednn and batch_size > max(1, dot_rows) and not quantization else 0
         tile = tuning.weight_tile(dtype)
@@ -152,7 +152,7 @@ class InductorBackend(Backend):
         # bytes, worth it at every batch size)
         return Lowering(dot_rows=dot_rows, dot_isa=isa if dot_rows or attention_kernel else "",
                         int8_kernel=bool(quantization) and bool(isa),
-                        matvec_rows=4,
+                        matvec_rows=KERNEL_ROWS,
                         gemm_dtype=gemm_dtype, onednn=onednn, packed_rows=packed_rows, attention_tokens=1,
                         attention_kernel=attention_kernel, causal_block=128,
                         weight_tile=tile)
@@ -167,9 +167,6 @@ class InductorBackend(Backend):
             return ""
         return next((isa for isa, needs in DOT_KERNEL_ISAS.items()
                      if dtype in needs and all(cpu_has(feature) for feature in needs[dtype])), "")
-
-    def has_dot_kernel(self, dtype: torch.dtype) -> bool:
-        return bool(self.dot_kernel_isa(dtype))
 
     def packable_weight_names(self, decoder) -> list[str]:
         return decoder.kernels.packable_weight_names(decoder)
@@ -253,6 +250,7 @@ class InductorBackend(Backend):
 
     def load(self, artifact_dir, graphs, weights) -> dict[str, CompiledGraph]:
         check_package(Path(artifact_dir) / PACKAGE_NAME)
+        os.environ.setdefault(CHECK_INPUTS_ENV, "1")
         loaded = {}
         for graph in graphs:
             # The C++ loader, not load_package(): that first loads every graph in the package to compare this CPU

@@ -7,7 +7,7 @@ declares from the strings given there. We give the function's whole source as th
 wrapper's C++ file and is compiled with it, so every graph carries its kernel and loading one needs no extra
 library, no op registration and no compiler.
 
-The kernel sources live next to this file in kernels/ (common.h: what both kernels share; harness.cpp times the dot
+The kernel sources live next to this file in kernels/ (common.h: what the kernels share; harness.cpp times the dot
 kernel alone, tools/kernel_harness.py); their digest is stamped into every export (`kernel_digests`), so an edited
 kernel never reuses a cached compile.
 """
@@ -23,7 +23,7 @@ from . import ops  # noqa: F401  (registers torch.ops.optimum_neuronx)
 from .tuning import ROW_PREFETCH_BYTES, kernel_tuning
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
-COMMON = "common.h"  # included by both kernels; spliced once in front of them
+COMMON = "common.h"  # included by every kernel; spliced once in front of them
 ROWS_MATVEC = "rows_matvec.cpp"
 DECODE_ATTENTION = "decode_attention.cpp"
 INT8_MATVEC = "int8_matvec.cpp"

@@ -14,15 +14,16 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ...modeling.decoder import Kernels
+from ...modeling.kernels import Kernels
 from ...modeling.layout import weight_outputs
-from .ops import (INT8_MATVEC_ROWS, ROWS_MATVEC_DTYPES, decode_attention, int8_matvec, onednn_linear, rows_matvec,
+from ...modeling.spec import LAYER_PROJECTIONS
+from .ops import (KERNEL_ROWS, ROWS_MATVEC_DTYPES, decode_attention, int8_matvec, onednn_linear, rows_matvec,
                   tiled_linear)
 
 
 @dataclass(frozen=True)
 class Lowering(Kernels):
-    """The inductor backend's kernels for the decoder (modeling/decoder.py `Kernels`), chosen per export.
+    """The inductor backend's kernels for the decoder (modeling/kernels.py `Kernels`), chosen per export.
 
     dot_rows: bfloat16 or float32 projections over at most `dot_rows` rows are `rows_matvec` (ops.py), for which
         the backend compiles its own kernel (`uses_dot_kernel`), of any input width: the kernel cuts wide input rows
@@ -44,7 +45,7 @@ class Lowering(Kernels):
         stored tiled, [N / T, K, T] (modeling/layout.py): decode reads them through the dot
         kernel (which must then take every decode row: dot_rows at least the batch), prefill through
         `tiled_linear`.
-    int8_kernel: int8 projections (quantized exports) over at most INT8_MATVEC_ROWS rows are `int8_matvec` (ops.py),
+    int8_kernel: int8 projections (quantized exports) over at most KERNEL_ROWS rows are `int8_matvec` (ops.py),
         for which the backend compiles its own kernel (variant `dot_isa`); otherwise one fused multiply + sum per
         row reading the int8 weight (`matvec_rows`), and past those rows the weight widened one projection at a time
         for oneDNN's linear.
@@ -132,7 +133,7 @@ class Lowering(Kernels):
             return []
         present = set(decoder.parameter_names())
         names = [f"layers.{i}.{name}.weight" for i in range(decoder.spec.num_layers)
-                 for name in ("qkv_proj", "o_proj", "gate_up_proj", "up_proj", "down_proj")
+                 for name in LAYER_PROJECTIONS
                  if f"layers.{i}.{name}.weight" in present]
         return names if decoder.spec.tie_word_embeddings else [*names, "lm_head.weight"]
 
@@ -193,7 +194,7 @@ def project_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
     x's dtype, one projection at a time (a temporary buffer, freed after the product)."""
     rows, outputs = x.numel() // x.shape[-1], weight.shape[0]
     flat = x.reshape(rows, x.shape[-1])
-    if lowering.int8_kernel and rows <= INT8_MATVEC_ROWS and x.dtype in ROWS_MATVEC_DTYPES:
+    if lowering.int8_kernel and rows <= KERNEL_ROWS and x.dtype in ROWS_MATVEC_DTYPES:
         out = int8_matvec(flat, weight, scale)
     elif rows <= lowering.matvec_rows:
         flat = _materialized(flat.float())

@@ -77,8 +77,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> to
     return x.new_empty(x.shape[0], outputs)
 
 
-# The most rows of x int8_matvec's kernel takes in one pass over the weight.
-INT8_MATVEC_ROWS = 4
+# The most rows of x our projection kernels (rows_matvec, int8_matvec) take in one pass over the weight.
+KERNEL_ROWS = 4
 
 
 @torch.library.custom_op("optimum_neuronx::int8_matvec", mutates_args=())
@@ -94,10 +94,10 @@ def int8_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
 
 @int8_matvec.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > INT8_MATVEC_ROWS
+    if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > KERNEL_ROWS
             or weight.dtype != torch.int8 or scale.dtype != torch.float32 or tuple(scale.shape) != (weight.shape[0],)
             or x.dtype not in ROWS_MATVEC_DTYPES):
-        raise ValueError(f"int8_matvec takes x [R <= {INT8_MATVEC_ROWS}, K] bfloat16 or float32, weight [N, K] int8 "
+        raise ValueError(f"int8_matvec takes x [R <= {KERNEL_ROWS}, K] bfloat16 or float32, weight [N, K] int8 "
                          f"and scale [N] float32; got {tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} "
                          f"{weight.dtype}, {tuple(scale.shape)} {scale.dtype}")
     return x.new_empty(x.shape[0], weight.shape[0])

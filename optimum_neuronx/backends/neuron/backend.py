@@ -311,8 +311,5 @@ class DeviceKVCache:
                                         out_shardings=sharding, donate_argnums=0)
         self.buffer = self._reorders[n](self.buffer, np.asarray(rows, dtype=np.int32))
 
-    def to_torch(self) -> torch.Tensor:
-        return to_torch(self.buffer)
-
 
 BACKEND = NeuronBackend()

@@ -158,11 +158,6 @@ class PjrtGraph:
         return cls(graph, client.deserialize_executable(blob, _device_list(devices), _compile_options(devices)),
                    client, devices)
 
-    def put(self, tensor: torch.Tensor, name: Optional[str] = None):
-        """`tensor` as argument `name`'s buffer on this graph's devices (laid out as that argument is)."""
-        axis = None if name is None else self.graph.arguments[self.graph.argument_index(name)].sharded_axis
-        return self.placement.put(tensor, axis)
-
     def __call__(self, arguments: Sequence) -> list:
         """Run with one device buffer (or torch tensor) per argument, in `graph.arguments` order; returns the output
         buffers in `graph.outputs` order. Donated arguments (the cache) are consumed: pass the returned one next."""

@@ -9,7 +9,6 @@ is marked `tf.aliasing_output` so that PJRT donates its buffer: the cache stays 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import sys
@@ -20,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ...modeling.decoder import Kernels
+from ...modeling.kernels import Kernels
 
 
 class NeuronKernels(Kernels):
@@ -65,10 +64,6 @@ class StableHLOGraph:
     outputs: tuple[str, ...]  # "kv_cache" (the donated cache, written) and "logits"
     aliases: dict[int, int] = field(default_factory=dict)  # argument index -> output index it is donated to
     shards: int = 1  # devices the graph is partitioned across (XLA SPMD)
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.text.encode()).hexdigest()
 
     def argument_index(self, name: str) -> int:
         return next(i for i, argument in enumerate(self.arguments) if argument.name == name)
