@@ -28,10 +28,11 @@ class Engine:
     """The graphs, the KV cache and every graph call. One caller at a time (the runtime's lock, or the scheduler's
     process): calls write the cache in place."""
 
-    def __init__(self, graphs: dict, neuron_config: NeuronConfig, spec: DecoderSpec, kv):
+    def __init__(self, graphs: dict, neuron_config: NeuronConfig, spec: DecoderSpec, kv, reorder_kv):
+        """`kv`: the KV cache the graphs take (Backend.new_kv_cache), `reorder_kv(kv, rows)`: its reorder."""
         nc = self.neuron_config = neuron_config
         self.graphs = graphs
-        self.cache = StaticKVCache(spec, nc.batch_size, nc.sequence_length, nc.torch_dtype, kv)
+        self.cache = StaticKVCache(spec, nc.batch_size, nc.sequence_length, kv, reorder_kv)
         self.vocab_size = spec.vocab_size
         self.rope_long_after = spec.rope_long_after  # LongRoPE: a sequence past this is encoded with other freqs
         self.handle: Optional[CacheHandle] = None  # the static batch's cache, as generate holds it

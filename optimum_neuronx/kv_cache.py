@@ -14,10 +14,10 @@ class StaticKVCache:
     `key_valid[b, s]` says whether cache slot s of sequence b holds a real token (left padding does not).
     """
 
-    def __init__(self, spec: DecoderSpec, batch_size: int, sequence_length: int, dtype: torch.dtype, kv=None):
-        # Zeros, not empty: masked slots are still multiplied by 0 in attention, and 0 * NaN is NaN. `kv`: the
-        # backend's own (Backend.new_kv_cache), e.g. a cache kept on a device.
-        self.kv = kv if kv is not None else torch.zeros(spec.kv_cache_shape(batch_size, sequence_length), dtype=dtype)
+    def __init__(self, spec: DecoderSpec, batch_size: int, sequence_length: int, kv, reorder_kv):
+        # `kv`: the backend's (Backend.new_kv_cache: zeros, not empty, since masked slots are still multiplied by 0
+        # in attention and 0 * NaN is NaN), e.g. a cache kept on a device; `reorder_kv(kv, rows)` its reorder.
+        self.kv, self._reorder_kv = kv, reorder_kv
         self.key_valid = torch.zeros(batch_size, sequence_length, dtype=torch.bool)
         # Sliding layers that keep only their window (DecoderSpec.cache_places): slot s at s mod kv_slots.
         self.ring = bool(spec.cache_places)
@@ -31,12 +31,8 @@ class StaticKVCache:
         return window.copy_(self.key_valid[:, :width])
 
     def reorder(self, rows: torch.Tensor) -> None:
-        n = rows.numel()
-        if isinstance(self.kv, torch.Tensor):
-            self.kv[:, :, :n] = self.kv[:, :, rows]
-        else:
-            self.kv.reorder(rows)
-        self.key_valid[:n] = self.key_valid[rows]
+        self._reorder_kv(self.kv, rows)
+        self.key_valid[:rows.numel()] = self.key_valid[rows]
 
 
 class DecodeStepInputs:

@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 from .artifacts import (WEIGHTS_NAME, ArtifactError, compiled_code_problem, export_identity, read_artifact,
                         verified_copy, weights_source)
 from .backends import get_backend
+from .backends.base import Backend, CompiledGraph
 from .cache import CompileCache
 from .configuration import GraphSpec, NeuronConfig
 from .exporters.registry import get_export_config, load_model_config
@@ -37,7 +38,8 @@ class LoadedExport:
     config: object  # the checkpoint's Transformers config (e.g. LlamaConfig)
     neuron_config: NeuronConfig
     spec: DecoderSpec
-    graphs: dict
+    backend: Backend
+    graphs: dict[str, CompiledGraph]
     kv_cache: object  # the zeroed KV cache the graphs take (the backend's: a host tensor, or a device handle)
     weights: dict  # the graphs point into these tensors: keep them alive as long as the graphs
     artifact_dir: Path
@@ -128,8 +130,8 @@ def load_export(artifact_dir: Path, *, tmpdir=None, compiled: bool = False, huge
             generation_config = GenerationConfig.from_pretrained(private)
     logger.info("Loaded %d compiled graphs from %s in %.2f s%s", len(graphs), artifact_dir,
                 time.perf_counter() - start, "" if compiled else " (no compilation)")
-    return LoadedExport(config, neuron_config, spec, graphs, kv_cache, weights, Path(artifact_dir), generation_config,
-                        tmpdir)
+    return LoadedExport(config, neuron_config, spec, backend, graphs, kv_cache, weights, Path(artifact_dir),
+                        generation_config, tmpdir)
 
 
 def _check_graph_inputs(graphs: dict, nc: NeuronConfig, kv_shape: tuple) -> None:
@@ -137,9 +139,7 @@ def _check_graph_inputs(graphs: dict, nc: NeuronConfig, kv_shape: tuple) -> None
     compiled): they would be handed tensors they read out of bounds."""
     kv_cache = torch.empty(kv_shape, dtype=nc.torch_dtype, device="meta")
     for graph in nc.graphs():
-        compiled = getattr(graphs[graph.name], "input_signature", None)
-        if compiled is None:
-            continue
+        compiled = graphs[graph.name].input_signature
         given = [[list(t.shape), str(t.dtype).removeprefix("torch.")]
                  for t in StaticDecoder.graph_inputs(graph, nc.batch_size, kv_cache, nc.on_device_sampling)]
         if len(compiled) != len(given):

@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .configuration import GIB, InstanceType, NeuronConfig
+from .configuration import NeuronConfig
+from .instances import GIB, InstanceType
 from .modeling.decoder import StaticDecoder
 from .modeling.spec import DecoderSpec
 from .modeling.sharding import kv_heads_fit

@@ -88,7 +88,8 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         self._weights = loaded.weights  # the compiled graphs point into these tensors: keep them alive
         self._artifact_dir = loaded.artifact_dir
         self._tmpdir = loaded.tmpdir  # owns the export directory of a model exported but not yet saved
-        self._engine = Engine(loaded.graphs, neuron_config, loaded.spec, loaded.kv_cache)  # every graph call
+        self._engine = Engine(loaded.graphs, neuron_config, loaded.spec, loaded.kv_cache,  # every graph call
+                              loaded.backend.reorder_kv_cache)
         # One generate (or forward) at a time: calls share the KV cache, and an AOTInductor runner keeps the GIL
         # while it waits for a graph another thread is running, which would deadlock the process.
         self._lock = threading.RLock()

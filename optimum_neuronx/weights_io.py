@@ -204,8 +204,8 @@ def _reading_ahead(path: str, chunk_bytes: int = 64 << 20) -> Iterator[None]:
     reads each weight through page faults, in the order the reorder walks it, and waits on each: from storage
     that is not cached, reading ahead overlaps the disk with the packing.
 
-    Linux reads at most the device's read-ahead window per call (8 MiB on the machine measured), so this asks
-    for the start of each chunk, not all of it; asking for all of it, in window-sized calls, loaded slower there."""
+    Linux reads at most the device's read-ahead window per call, so this asks for the start of each chunk, not all
+    of it, which would take many window-sized calls."""
     if not hasattr(os, "posix_fadvise"):  # not on macOS or Windows
         yield
         return

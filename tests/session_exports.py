@@ -30,11 +30,10 @@ def ahead_of_time_exports() -> list[tuple[str, str, dict]]:
                           SMOLLM2_INT8_EXPORT, STATIC_BATCHES, tiny_export)
 
     foreground_first = ("llama", "qwen2", "qwen3")
-    inductor = [("test_cache.py", "gpt2", BF16_EXPORT)]  # its recompile test (test_parity's bf16 gpt2 too)
-    inductor += [("test_parity.py", family, tiny_export(family)) for family in ARCHITECTURES
+    inductor = [("test_parity.py", family, tiny_export(family)) for family in ARCHITECTURES
                 if family not in foreground_first]
     inductor += [("test_parity.py", "phi3", tiny_export("phi3", continuous_batching=True))]  # its engine test
-    inductor += [("test_parity.py", family, BF16_EXPORT) for family in BF16_BLOCK_KINDS]  # gpt2: a hit if made above
+    inductor += [("test_parity.py", family, BF16_EXPORT) for family in BF16_BLOCK_KINDS]
     inductor += [
         ("test_quantization.py", "llama", dict(tiny_export("llama", **STATIC_BATCHES), quantization="int8",
                                                backend="inductor")),

@@ -14,7 +14,8 @@ from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.backends import get_backend
 from optimum_neuronx.backends.inductor.backend import parse_compiler_args
 from optimum_neuronx.backends.neuron import neuronx_cc
-from optimum_neuronx.configuration import INSTANCE_TYPES, NeuronConfig
+from optimum_neuronx.configuration import NeuronConfig
+from optimum_neuronx.instances import INSTANCE_TYPES
 from optimum_neuronx.exporters.export import prepare
 from test_trust import foreign_copy, restamp  # noqa: F401 (fixture)
 

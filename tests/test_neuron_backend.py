@@ -340,7 +340,7 @@ def test_neffs_are_compiled_per_target_in_parallel(tiny_checkpoint, fake_neuronx
 def test_neuronx_cc_argv_follows_auto_cast_type_and_compiler_args():
     from pathlib import Path
 
-    from optimum_neuronx.configuration import instance_type
+    from optimum_neuronx.instances import instance_type
 
     argv = neuronx_cc.argv(Path("g.hlo.pb"), Path("g.neff"), instance_type("trn1"), "bf16", ("-O3",))
     assert argv[:4] == ["neuronx-cc", "compile", "g.hlo.pb", "--framework"]
@@ -429,13 +429,14 @@ def test_the_neuron_plugin_is_preferred_where_it_is_installed(monkeypatch, caplo
     import importlib.util
     import logging
 
-    from jax._src import xla_bridge
+    import jax.extend.backend
 
     fake = _FakeNeuronClient()
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "libneuronxla" else real_find_spec(name, *a))
-    monkeypatch.setattr(xla_bridge, "get_backend", lambda platform=None: fake if platform == "neuron" else None)
+    monkeypatch.setattr(jax.extend.backend, "get_backend",
+                        lambda platform=None: fake if platform == "neuron" else None)
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
         assert pjrt.default_client() is fake
     assert "XLA CPU device" not in caplog.text

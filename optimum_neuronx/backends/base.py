@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -12,9 +12,15 @@ from ..configuration import GraphSpec, NeuronConfig
 from ..modeling.kernels import Kernels
 
 
-# A loaded graph takes the decoder's flat inputs (StaticDecoder.example_inputs' order) and returns logits; a graph
-# that samples on the device returns (logits, tokens), its logits possibly DeviceLogits.
-CompiledGraph = Callable[[list], torch.Tensor]
+class CompiledGraph(Protocol):
+    """A graph a backend loaded. Called with the decoder's flat inputs (StaticDecoder.INPUT_NAMES' order: the KV
+    cache as `Backend.new_kv_cache` made it), it returns the logits; a graph that samples on the device returns
+    (logits, tokens), its logits possibly DeviceLogits. `input_signature`: each input's [shape, dtype] as compiled,
+    which loading checks against the inputs the export's configs give."""
+
+    input_signature: list
+
+    def __call__(self, inputs: list): ...
 
 
 class DeviceLogits:
@@ -117,6 +123,10 @@ class Backend(ABC):
         """Load the graphs, sharing `weights` (the caller keeps them alive) between all of them."""
 
     def new_kv_cache(self, graphs: Mapping[str, CompiledGraph], shape: tuple[int, ...], dtype: torch.dtype):
-        """The zeroed KV cache the loaded `graphs` take as their last input and write in place: a host tensor of
-        `shape` here; a backend whose graphs keep the cache on a device returns its own handle (`reorder(rows)`)."""
+        """The zeroed KV cache the loaded `graphs` take as an input and write in place: a host tensor of `shape`
+        here; a backend whose graphs keep the cache on a device returns its own handle."""
         return torch.zeros(shape, dtype=dtype)
+
+    def reorder_kv_cache(self, kv, rows: torch.Tensor) -> None:
+        """Batch rows 0 .. n - 1 of `kv` (as `new_kv_cache` made it) become rows `rows` (beam search)."""
+        kv[:, :, :rows.numel()] = kv[:, :, rows]

@@ -23,7 +23,8 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
 def run_estimate(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
-    from ..configuration import GIB, NeuronConfig
+    from ..configuration import NeuronConfig
+    from ..instances import GIB
     from ..exporters import get_export_config, supported_model_types
     from ..memory import estimate_memory, estimate_memory_from_config
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ...configuration import INSTANCE_TYPES, GraphSpec
+from ...configuration import GraphSpec
+from ...instances import INSTANCE_TYPES
 from ...digests import file_sha256
 from ...modeling.decoder import StaticDecoder
 from ...modeling.sharding import KV_CACHE_AXIS, ShardLayout
@@ -188,6 +189,9 @@ class NeuronBackend(Backend):
         argument = graph.executable.graph.arguments[graph.executable.graph.argument_index("kv_cache")]
         return DeviceKVCache(graph.executable.placement, argument.shape, dtype, argument.sharded_axis)
 
+    def reorder_kv_cache(self, kv, rows):
+        kv.reorder(rows)
+
 
 def _sharded_decoder(decoder: StaticDecoder, layout: ShardLayout) -> StaticDecoder:
     """`decoder` with its weights in `layout` (KV heads repeated, fused projections shard-major)."""
@@ -200,7 +204,7 @@ def _sharded_decoder(decoder: StaticDecoder, layout: ShardLayout) -> StaticDecod
 
 
 def _write_graph_files(out_dir: Path, graph: StableHLOGraph, executable: bytes) -> dict[str, str]:
-    from jax._src.lib import xla_client
+    from jaxlib import xla_client
     from jaxlib.mlir.dialects import stablehlo
 
     files = {"mlir": f"{graph.name}.mlir", "mlirbc": f"{graph.name}.mlirbc", "hlo": f"{graph.name}.hlo.pb",
@@ -217,7 +221,9 @@ def _write_graph_files(out_dir: Path, graph: StableHLOGraph, executable: bytes) 
 
 
 def read_manifest(artifact_dir: Path) -> dict:
-    """The manifest, with every file it names checked against its sha256 (ValueError naming the file otherwise)."""
+    """The manifest, every file it names a plain name in the export directory (ValueError naming it otherwise). The
+    files' digests are not checked again here: the graphs load from the private copy the artifact check verified
+    against neuron_config.json, which lists every file."""
     path = Path(artifact_dir) / MANIFEST_NAME
     redo = "Re-export the model."
     try:
@@ -225,11 +231,9 @@ def read_manifest(artifact_dir: Path) -> dict:
         if manifest["format"] != MANIFEST_FORMAT:
             raise ValueError(f"format {manifest['format']}, this package reads {MANIFEST_FORMAT}")
         for entry in manifest["graphs"].values():
-            for name, digest in entry["sha256"].items():
+            for name in entry["sha256"]:
                 if Path(name).name != name:
                     raise ValueError(f"file name {name!r} is not a plain name in the export directory")
-                if file_sha256(Path(artifact_dir) / name) != digest:
-                    raise ValueError(f"{name} does not match its sha256: the file is corrupted or was replaced")
     except (OSError, KeyError, TypeError, json.JSONDecodeError, ValueError) as err:
         raise ValueError(f"{path}: {err}. {redo}") from None
     return manifest

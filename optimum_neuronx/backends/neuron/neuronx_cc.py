@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from ...configuration import InstanceType
+from ...instances import InstanceType
 
 logger = logging.getLogger(__name__)
 

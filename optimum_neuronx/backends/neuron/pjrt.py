@@ -25,9 +25,9 @@ NEURON_PLATFORM = "neuron"
 
 def cpu_client():
     """jaxlib's PJRT client for the XLA CPU device."""
-    from jax._src import xla_bridge
+    from jax.extend.backend import get_backend
 
-    return xla_bridge.get_backend("cpu")
+    return get_backend("cpu")
 
 
 def neuron_client():
@@ -36,10 +36,10 @@ def neuron_client():
 
     if importlib.util.find_spec("libneuronxla") is None:
         return None
-    from jax._src import xla_bridge
+    from jax.extend.backend import get_backend
 
     try:
-        return xla_bridge.get_backend(NEURON_PLATFORM)
+        return get_backend(NEURON_PLATFORM)
     except RuntimeError as err:
         logger.info("The Neuron PJRT plugin is installed but gave no device (%s)", err)
         return None
@@ -78,7 +78,7 @@ def devices_for(client, shards: int) -> list:
 
 
 def _compile_options(devices: Sequence):
-    from jax._src.lib import xla_client
+    from jaxlib import xla_client
 
     options = xla_client.CompileOptions()
     if len(devices) > 1:
@@ -90,7 +90,7 @@ def _compile_options(devices: Sequence):
 
 
 def _device_list(devices: Sequence):
-    from jax._src.lib import xla_client
+    from jaxlib import xla_client
 
     return xla_client.DeviceList(tuple(devices))
 

@@ -14,7 +14,7 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -126,16 +126,10 @@ def partitioned(graph: StableHLOGraph, axes: dict[str, int], shards: int) -> Sta
         return graph
     arguments = tuple(replace(a, sharded_axis=axes.get(a.name)) for a in graph.arguments)
     graph = replace(graph, arguments=arguments, shards=shards)
-    argument_attributes = {i: f'mhlo.sharding = "{hlo_sharding(len(a.shape), a.sharded_axis, shards)}"'
+    argument_attributes = {i: {"mhlo.sharding": hlo_sharding(len(a.shape), a.sharded_axis, shards)}
                            for i, a in enumerate(arguments)}
-    text = _with_argument_attributes(graph.text, argument_attributes)
-    header = re.search(r"func\.func @\w+\(.*?\) -> \(([^)]*)\)", text, re.S)
-    results = re.split(r",\s*(?=tensor<)", header.group(1))
-    annotated = []
-    for index, result in enumerate(results):
-        rank = len(re.match(r"tensor<([^>]*)>", result).group(1).split("x")) - 1
-        annotated.append(f'{result} {{mhlo.sharding = "{hlo_sharding(rank, graph.output_axis(index), shards)}"}}')
-    text = text[:header.start(1)] + ", ".join(annotated) + text[header.end(1):]
+    text = _with_function_attributes(graph.text, argument_attributes, lambda index, rank: {
+        "mhlo.sharding": hlo_sharding(rank, graph.output_axis(index), shards)})
     return replace(graph, text=text)
 
 
@@ -222,24 +216,49 @@ def _portable(text: str) -> str:
 
 def _with_aliases(text: str, aliases: dict[int, int]) -> str:
     """Mark each aliased argument of the module's public function with `tf.aliasing_output = <output index>`."""
-    return _with_argument_attributes(text, {argument: f"tf.aliasing_output = {output} : i32"
+    return _with_function_attributes(text, {argument: {"tf.aliasing_output": output}
                                             for argument, output in aliases.items()})
 
 
-def _with_argument_attributes(text: str, attributes: dict[int, str]) -> str:
-    """Add `attributes[i]` to argument i of the module's public function (merged into its `{...}` if it has one)."""
-    header = re.search(r"func\.func @\w+\(([^)]*)\)", text)
-    if header is None:
-        raise ValueError("the lowered module has no public function")
-    signature = header.group(1)
-    for argument, attribute in attributes.items():
-        with_braces = re.search(rf"(%arg{argument}: tensor<[^>]*> \{{)([^}}]*)\}}", signature)
-        if with_braces:
-            signature = (signature[:with_braces.start()] + with_braces.group(1) + with_braces.group(2)
-                         + f", {attribute}}}" + signature[with_braces.end():])
-            continue
-        pattern = rf"(%arg{argument}: tensor<[^>]*>)(?=[,]|$)"
-        if not re.search(pattern, signature):
-            raise ValueError(f"argument {argument} is not in the lowered function's signature")
-        signature = re.sub(pattern, rf"\1 {{{attribute}}}", signature, count=1)
-    return text[:header.start(1)] + signature + text[header.end(1):]
+def _with_function_attributes(text: str, arguments: dict[int, dict],
+                              results: Optional[Callable[[int, int], dict]] = None) -> str:
+    """The module `text` with attributes added to its public function's arguments (index -> {name: value}) and, with
+    `results`, to each result (`results(index, rank)` -> {name: value}), through jaxlib's MLIR bindings: an int
+    value becomes an i32 attribute, a string a string attribute."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir._mlir_libs import _jax_mlir_ext
+    from jaxlib.mlir.dialects import stablehlo as stablehlo_dialect
+
+    def attribute(value):
+        if isinstance(value, int):
+            return ir.IntegerAttr.get(ir.IntegerType.get_signless(32), value)
+        return ir.StringAttr.get(value)
+
+    def merged(function, field: str, count: int, added: dict[int, dict]):
+        current = ([{a.name: a.attr for a in ir.DictAttr(d)} for d in function.attributes[field]]
+                   if field in function.attributes else [{} for _ in range(count)])
+        for index, attributes in added.items():
+            if not 0 <= index < count:
+                raise ValueError(f"{field[:3]} {index} is not in the lowered function's signature")
+            current[index].update({name: attribute(value) for name, value in attributes.items()})
+        return ir.ArrayAttr.get([ir.DictAttr.get(d) for d in current])
+
+    registry = ir.DialectRegistry()
+    _jax_mlir_ext.register_dialects(registry)  # func, arith and the other upstream dialects
+    with ir.Context() as context, ir.Location.unknown():
+        context.append_dialect_registry(registry)
+        context.allow_unregistered_dialects = True
+        context.load_all_available_dialects()
+        stablehlo_dialect.register_dialect(context)
+        module = ir.Module.parse(text)
+        function = next((op for op in module.body.operations if op.operation.name == "func.func"
+                         and "sym_visibility" not in op.attributes), None)
+        if function is None:
+            raise ValueError("the lowered module has no public function")
+        kinds = ir.FunctionType(ir.TypeAttr(function.attributes["function_type"]).value)
+        function.attributes["arg_attrs"] = merged(function, "arg_attrs", len(kinds.inputs), arguments)
+        if results is not None:
+            ranks = [ir.RankedTensorType(t).rank for t in kinds.results]
+            function.attributes["res_attrs"] = merged(function, "res_attrs", len(ranks),
+                                                      {i: results(i, rank) for i, rank in enumerate(ranks)})
+        return str(module)
