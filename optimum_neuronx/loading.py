@@ -114,16 +114,15 @@ def load_export(artifact_dir: Path, *, tmpdir=None, compiled: bool = False, huge
         config = load_model_config(private)
         spec = get_export_config(config.model_type).decoder_spec(config, neuron_config)
         in_memory = use_huge_pages(huge_pages, backend)
+        kv_shape = spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length)
         if backend.uses_host_memory():
-            kv_bytes = math.prod(spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length))
+            kv_bytes = math.prod(kv_shape)
             weight_bytes = (Path(artifact_dir) / WEIGHTS_NAME).stat().st_size if in_memory else 0
             check_fits_host_memory(kv_bytes * neuron_config.torch_dtype.itemsize + weight_bytes,
                                    f"Loading {artifact_dir} (its KV cache{' and weights' if in_memory else ''})")
         weights = load_weights(artifact_dir, meta, huge_pages=in_memory)
         graphs = backend.load(private, [GraphSpec(**g) for g in meta["graphs"]], weights)
-        kv_cache = backend.new_kv_cache(graphs, spec.kv_cache_shape(neuron_config.batch_size,
-                                                                   neuron_config.sequence_length),
-                                        neuron_config.torch_dtype)
+        kv_cache = backend.new_kv_cache(graphs, kv_shape, neuron_config.torch_dtype)
         _check_graph_inputs(graphs, neuron_config, tuple(kv_cache.shape))
         generation_config = None
         if (private / "generation_config.json").is_file():

@@ -234,12 +234,12 @@ def _with_function_attributes(text: str, arguments: dict[int, dict],
             return ir.IntegerAttr.get(ir.IntegerType.get_signless(32), value)
         return ir.StringAttr.get(value)
 
-    def merged(function, field: str, count: int, added: dict[int, dict]):
+    def merged(function, field: str, what: str, count: int, added: dict[int, dict]):
         current = ([{a.name: a.attr for a in ir.DictAttr(d)} for d in function.attributes[field]]
                    if field in function.attributes else [{} for _ in range(count)])
         for index, attributes in added.items():
             if not 0 <= index < count:
-                raise ValueError(f"{field[:3]} {index} is not in the lowered function's signature")
+                raise ValueError(f"{what} {index} is not in the lowered function's signature")
             current[index].update({name: attribute(value) for name, value in attributes.items()})
         return ir.ArrayAttr.get([ir.DictAttr.get(d) for d in current])
 
@@ -256,9 +256,9 @@ def _with_function_attributes(text: str, arguments: dict[int, dict],
         if function is None:
             raise ValueError("the lowered module has no public function")
         kinds = ir.FunctionType(ir.TypeAttr(function.attributes["function_type"]).value)
-        function.attributes["arg_attrs"] = merged(function, "arg_attrs", len(kinds.inputs), arguments)
+        function.attributes["arg_attrs"] = merged(function, "arg_attrs", "argument", len(kinds.inputs), arguments)
         if results is not None:
             ranks = [ir.RankedTensorType(t).rank for t in kinds.results]
-            function.attributes["res_attrs"] = merged(function, "res_attrs", len(ranks),
+            function.attributes["res_attrs"] = merged(function, "res_attrs", "result", len(ranks),
                                                       {i: results(i, rank) for i, rank in enumerate(ranks)})
         return str(module)
