@@ -15,6 +15,7 @@ kernel never reuses a cached compile.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import torch
@@ -41,8 +42,12 @@ INT8_MATVEC_DECLARATION = ('"C" AOTITorchError aoti_torch_cpu_int8_matvec(AtenTe
                            "AtenTensorHandle, AtenTensorHandle*)")
 
 
+_LOCAL_PART = re.compile(r'^#include "(rows_matvec_\w+\.h)"\n', re.MULTILINE)
+
+
 def kernel_source(name: str) -> str:
-    return (KERNELS_DIR / name).read_text()
+    """A kernel's text with its parts (`#include "rows_matvec_*.h"`) spliced in where it includes them."""
+    return _LOCAL_PART.sub(lambda match: kernel_source(match.group(1)), (KERNELS_DIR / name).read_text())
 
 
 def spliced_source(names: tuple[str, ...]) -> str:
