@@ -2,8 +2,8 @@
 written and copied whole or not at all. (The weights file itself: weights_io.py.)
 
     config.json, generation_config.json, tokenizer files   (Transformers' own formats)
-    neuron_config.json   NeuronConfig + graphs + versions + every file's size and sha256 + the export hash over all
-                         of them (and config.json)
+    neuron_config.json   stamp.ExportStamp: NeuronConfig + graphs + decoder spec + versions and backend stamp +
+                         every file's size and sha256 + the export hash over all of them (and config.json)
     neuronx_weights.safetensors   the decoder weights (converted: fused, cast), once, shared by every graph; not
                          named model.safetensors, so Transformers never loads an export as a checkpoint
     <backend files>      the compiled graphs (inductor: model.pt2)
@@ -23,9 +23,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from .backends import get_backend
+from .backends import Backend
 from .configuration import NEURON_CONFIG_NAME, GraphSpec, NeuronConfig
 from .digests import file_sha256
+from .modeling.spec import DecoderSpec
+from .stamp import READABLE_ARTIFACT_FORMATS, BackendStamp, ExportStamp
 from .tempdirs import process_alive, temporary_directory
 from .version import ARTIFACT_FORMAT_VERSION, __version__
 
@@ -41,12 +43,15 @@ class ArtifactError(ValueError):
     """The directory is not a loadable export of this package (the message says why and what to do)."""
 
 
-def config_hash(config_dict: dict, neuron_config: NeuronConfig, graphs: list, files: dict) -> str:
-    """The export's hash: model config, NeuronConfig (backend included), the graph list and every file's size and
-    sha256. Editing any of them without recomputing it is caught at load."""
-    model = {k: v for k, v in config_dict.items() if k not in VOLATILE_CONFIG_KEYS}
-    payload = json.dumps({"model": model, "neuron": neuron_config.to_dict(), "graphs": graphs, "files": files},
-                         sort_keys=True, default=str)
+def config_hash(config_dict: dict, meta: dict) -> str:
+    """The export's hash over config.json (`config_dict`) and what neuron_config.json (`meta`: an
+    `ExportStamp.to_json()`) says was compiled: NeuronConfig (backend included), the graph list, the decoder spec
+    (format 8) and every file's size and sha256. Editing any of them without recomputing it is caught at load."""
+    hashed = {"model": {k: v for k, v in config_dict.items() if k not in VOLATILE_CONFIG_KEYS},
+              "neuron": meta["neuron_config"], "graphs": meta["graphs"], "files": meta["files"]}
+    if "model" in meta:
+        hashed["decoder"] = meta["model"]
+    payload = json.dumps(hashed, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -82,37 +87,30 @@ def _read_json(path: Path) -> dict:
         return json.load(f)
 
 
-def write_neuron_config(
-    directory: Path, neuron_config: NeuronConfig, graphs: list[GraphSpec], compiler: dict,
-    compile_times: dict[str, float], files: tuple[str, ...], source: dict | None = None,
-) -> dict:
+def write_neuron_config(directory: Path, *, neuron_config: NeuronConfig, graphs: list[GraphSpec],
+                        backend: BackendStamp, model_type: str, spec: DecoderSpec, compile_times: dict[str, float],
+                        files: tuple[str, ...], source: dict | None = None) -> ExportStamp:
     """Stamp the export: call last, once config.json and every file in `files` are written."""
+    import dataclasses
+
     import transformers
 
+    from .stamp import FileRecord
+
     directory = Path(directory)
-    graph_list = [{"kind": g.kind, "tokens": g.tokens, "window": g.window} for g in graphs]
-    file_list = {name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)}
-                 for name in files}
-    meta = {
-        "artifact_format": ARTIFACT_FORMAT_VERSION,
-        "neuron_config": neuron_config.to_dict(),
-        "graphs": graph_list,
-        "versions": {
-            "optimum_neuronx": __version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "compiler": {"name": neuron_config.backend, **compiler},  # version, target
-        },
-        "config_hash": config_hash(_read_json(directory / CONFIG_NAME), neuron_config, graph_list, file_list),
-        "files": file_list,
-        "compile_time_s": {name: round(t, 3) for name, t in compile_times.items()},
+    stamp = ExportStamp(
+        artifact_format=ARTIFACT_FORMAT_VERSION, neuron_config=neuron_config, graphs=tuple(graphs), backend=backend,
+        model_type=model_type, spec=spec,
+        versions={"optimum_neuronx": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        files={name: FileRecord((directory / name).stat().st_size, file_sha256(directory / name)) for name in files},
+        compile_time_s={name: round(t, 3) for name, t in compile_times.items()},
         # The Hub checkpoint the weights come from (repo_id, revision, subfolder): base_model of the model card, and
         # where an export pushed without its weights takes them from.
-        "source": source,
-    }
-    with open(directory / NEURON_CONFIG_NAME, "w") as f:
-        json.dump(meta, f, indent=2)
-    return meta
+        source=source, config_hash="")
+    stamp = dataclasses.replace(stamp, config_hash=config_hash(_read_json(directory / CONFIG_NAME), stamp.to_json()))
+    raw = stamp.dumps().encode()
+    (directory / NEURON_CONFIG_NAME).write_bytes(raw)
+    return dataclasses.replace(stamp, identity=hashlib.sha256(raw).hexdigest())
 
 
 def _source_repo(meta) -> str | None:
@@ -132,11 +130,11 @@ def weights_source(directory: str | Path) -> str | None:
 
 
 def read_artifact(directory: str | Path, check_digests: bool | Callable[[str], bool] = False,
-                  optional: tuple[str, ...] = ()) -> tuple[NeuronConfig, dict]:
-    """Validate an exported directory and return its NeuronConfig and metadata, or raise ArtifactError.
+                  optional: tuple[str, ...] = ()) -> ExportStamp:
+    """Validate an exported directory and return its stamp (neuron_config.json, typed), or raise ArtifactError.
 
     Every listed file's size is checked; with `check_digests` (an export from a new source, `neuron verify`) its
-    sha256 too - a callable is asked with the export's identity (`meta["identity"]`: the sha256 of the very
+    sha256 too - a callable is asked with the export's identity (`ExportStamp.identity`: the sha256 of the very
     neuron_config.json bytes parsed here). Files in `optional` may be absent. Whether the compiled graphs can run
     here is another question: `compiled_code_problem`."""
     directory = Path(directory)
@@ -153,78 +151,71 @@ def read_artifact(directory: str | Path, check_digests: bool | Callable[[str], b
     foreign = _foreign_export(directory, meta)
     if foreign:
         raise ArtifactError(foreign)
-    try:
-        fmt = meta["artifact_format"]
-        neuron_config = NeuronConfig.from_dict(meta["neuron_config"])
-        meta["versions"]["compiler"]["target"]  # noqa: B018 (present)
-    except (KeyError, TypeError, ValueError) as err:
-        raise ArtifactError(f"{meta_path} is unreadable or incomplete ({err!r}). Re-export the model.") from None
     redo = "Re-export the model with NeuronModelForCausalLM.from_pretrained(model_id, export=True, ...)."
+    fmt = meta.get("artifact_format")
+    if fmt not in READABLE_ARTIFACT_FORMATS:
+        raise ArtifactError(f"{directory} uses artifact format {fmt!r}; this package reads formats "
+                            f"{', '.join(map(str, READABLE_ARTIFACT_FORMATS))}. {redo}")
+    try:
+        stamp = ExportStamp.from_json(meta, identity)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ArtifactError(f"{meta_path} is unreadable or incomplete ({err!r}). {redo}") from None
     if callable(check_digests):
         check_digests = check_digests(identity)
-    if fmt != ARTIFACT_FORMAT_VERSION:
-        raise ArtifactError(f"{directory} uses artifact format {fmt}; this package reads format "
-                            f"{ARTIFACT_FORMAT_VERSION}. {redo}")
-    files, graphs = meta.get("files"), meta.get("graphs")
-    if not isinstance(files, dict) or not isinstance(graphs, list) or not all(
-            isinstance(info, dict) and isinstance(info.get("size"), int) and isinstance(info.get("sha256"), str)
-            for info in files.values()):
-        raise ArtifactError(f"{meta_path} lists its files or graphs in an unreadable form. {redo}")
-    for name, info in files.items():
+    for name, info in stamp.files.items():
         path = check_file_name(directory, name)
         if not path.is_file():
             if name in optional:
                 continue
-            if name == WEIGHTS_NAME and _source_repo(meta):
+            if name == WEIGHTS_NAME and stamp.source_repo:
                 raise ArtifactError(f"{directory} has no {name}: it was pushed without its weights, which come from "
-                                    f"{_source_repo(meta)}. Load it with NeuronModelForCausalLM.from_pretrained"
+                                    f"{stamp.source_repo}. Load it with NeuronModelForCausalLM.from_pretrained"
                                     f"(repo_id), which fetches and checks them.")
             raise ArtifactError(f"{directory} is missing {name}. {redo}")
         size = path.stat().st_size
-        if size != info["size"]:
-            raise ArtifactError(f"{path} has {size} bytes but the export wrote {info['size']}: the file is "
+        if size != info.size:
+            raise ArtifactError(f"{path} has {size} bytes but the export wrote {info.size}: the file is "
                                 f"truncated or was replaced. {redo}")
-        if check_digests and file_sha256(path) != info["sha256"]:
+        if check_digests and file_sha256(path) != info.sha256:
             raise ArtifactError(f"{path} does not match its sha256 in {NEURON_CONFIG_NAME}: the file is corrupted "
                                 f"or was replaced. {redo}")
     if not check_file_name(directory, CONFIG_NAME).is_file():
         raise ArtifactError(f"{directory} is missing {CONFIG_NAME}. {redo}")
     try:
-        expected = config_hash(_read_json(directory / CONFIG_NAME), neuron_config, graphs, files)
+        expected = config_hash(_read_json(directory / CONFIG_NAME), stamp.to_json())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ArtifactError(f"{directory / CONFIG_NAME} is not JSON ({err}). {redo}") from None
-    if meta.get("config_hash") != expected:
+    if stamp.config_hash != expected:
         raise ArtifactError(f"{directory}: config.json or {NEURON_CONFIG_NAME} no longer matches what was compiled "
-                            f"(export hash {meta.get('config_hash')} != {expected}). {redo}")
-    meta["identity"] = identity
-    return neuron_config, meta
+                            f"(export hash {stamp.config_hash} != {expected}). {redo}")
+    return stamp
 
 
 @contextlib.contextmanager
-def verified_copy(directory: str | Path, meta: dict, neuron_config: NeuronConfig,
-                  exclude: tuple[str, ...] = (WEIGHTS_NAME,)) -> Iterator[Path]:
+def verified_copy(directory: str | Path, stamp: ExportStamp, exclude: tuple[str, ...] = (WEIGHTS_NAME,)
+                  ) -> Iterator[Path]:
     """A private copy (a 0700 temporary folder) of the export's files but `exclude`, each checked against the sha256
-    `meta` lists as it is copied, config.json against the export hash: what is loaded from it is exactly what was
+    the stamp lists as it is copied, config.json against the export hash: what is loaded from it is exactly what was
     verified, whatever happens to `directory` meanwhile (a file renamed over after it was hashed)."""
     directory = Path(directory)
     redo = "Re-export the model with NeuronModelForCausalLM.from_pretrained(model_id, export=True, ...)."
     with temporary_directory("verified") as private:
         private = Path(private)
-        for name, info in meta["files"].items():
+        for name, info in stamp.files.items():
             if name in exclude:
                 continue
             digest = _copy_hashing(check_file_name(directory, name), private / name)
-            if digest != info["sha256"]:
+            if digest != info.sha256:
                 raise ArtifactError(f"{directory / name} does not match its sha256 in {NEURON_CONFIG_NAME}: the file "
                                     f"is corrupted or was replaced. {redo}")
         for name in (CONFIG_NAME, "generation_config.json"):
             if check_file_name(directory, name).is_file():
                 _copy_hashing(directory / name, private / name)
         try:
-            expected = config_hash(_read_json(private / CONFIG_NAME), neuron_config, meta["graphs"], meta["files"])
+            expected = config_hash(_read_json(private / CONFIG_NAME), stamp.to_json())
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ArtifactError(f"{directory / CONFIG_NAME} is unreadable ({err}). {redo}") from None
-        if meta.get("config_hash") != expected:
+        if stamp.config_hash != expected:
             raise ArtifactError(f"{directory}: config.json no longer matches what was compiled. {redo}")
         yield private
 
@@ -240,18 +231,17 @@ def _copy_hashing(source: Path, destination: Path) -> str:
     return digest.hexdigest()
 
 
-def compiled_code_problem(directory: str | Path, meta: dict) -> str:
+def compiled_code_problem(stamp: ExportStamp, backend: Backend) -> str:
     """Why the compiled graphs of a valid export cannot run here (other package or torch version, CPU lacking the
     instructions they were compiled for), or "" when they can. The export itself stays usable: its config and
     weights rebuild the graphs here."""
-    versions = meta["versions"]
+    versions = stamp.versions
     if versions.get("optimum_neuronx") != __version__:
         return f"it was exported by optimum-neuronx {versions.get('optimum_neuronx')}; this is {__version__}"
     if versions.get("torch") != torch.__version__:
         return (f"its graphs were compiled with torch {versions.get('torch')}, but torch {torch.__version__} is "
                 f"installed (compiled graphs only run on the torch build that compiled them)")
-    backend = NeuronConfig.from_dict(meta["neuron_config"]).backend
-    return get_backend(backend).missing_target_support(versions["compiler"].get("target", ""))
+    return backend.missing_target_support(stamp.backend.target)
 
 
 def _not_an_export(directory: Path) -> str:

@@ -28,9 +28,9 @@ def model_card(artifact_dir: Path, repo_id: str, include_weights: bool = True):
 
     from huggingface_hub import ModelCard, ModelCardData
 
-    neuron_config, meta = read_artifact(artifact_dir, optional=(WEIGHTS_NAME,))
-    model_type = json.loads((Path(artifact_dir) / "config.json").read_text()).get("model_type", "?")
-    versions, source = meta["versions"], meta.get("source") or {}
+    stamp = read_artifact(artifact_dir, optional=(WEIGHTS_NAME,))
+    neuron_config, versions, source = stamp.neuron_config, stamp.versions, stamp.source or {}
+    model_type = stamp.model_type or json.loads((Path(artifact_dir) / "config.json").read_text()).get("model_type", "?")
     base_model = source.get("repo_id")
     data = ModelCardData(
         base_model=base_model, pipeline_tag="text-generation", library_name="optimum-neuronx",
@@ -47,8 +47,8 @@ def model_card(artifact_dir: Path, repo_id: str, include_weights: bool = True):
             ("token-generation buckets", list(neuron_config.token_buckets)),
             ("dtype (auto_cast_type)", neuron_config.auto_cast_type), ("tp_degree", neuron_config.tp_degree),
             ("torch", versions["torch"]),
-            ("compiler", f"{versions['compiler']['name']} {versions['compiler']['version']}"),
-            ("compiled for", versions["compiler"].get("target") or "any machine the backend runs on")]
+            ("compiler", f"{stamp.backend.name} {stamp.backend.version}"),
+            ("compiled for", stamp.backend.target or "any machine the backend runs on")]
     weights = ("" if include_weights else
                f"\n\nThe weights are not in this repo: loading it fetches them from `{base_model}` (commit "
                f"`{source.get('revision')}`), converts them and checks them against the sha256 the export recorded.")
@@ -75,8 +75,7 @@ def push_artifact(artifact_dir: Path, repo_id: str, *, token: Optional[str] = No
         validate_repo_id(repo_id)
     except HFValidationError as err:
         raise ValueError(f"Invalid Hub repo id {repo_id!r}: {err}") from None
-    _, meta = read_artifact(artifact_dir)
-    if not include_weights and not (meta.get("source") or {}).get("repo_id"):
+    if not include_weights and not read_artifact(artifact_dir).source_repo:
         raise ValueError(f"include_weights=False: {artifact_dir} was exported from a local directory, so it names no "
                          f"Hub checkpoint to take the weights from. Export it from the Hub repo id (e.g. "
                          f"from_pretrained('org/model', export=True)), or push with include_weights=True.")

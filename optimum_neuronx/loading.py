@@ -19,11 +19,12 @@ from .artifacts import (WEIGHTS_NAME, ArtifactError, compiled_code_problem, expo
 from .backends import get_backend
 from .backends.base import Backend, CompiledGraph
 from .cache import CompileCache
-from .configuration import GraphSpec, NeuronConfig
+from .configuration import NEURON_CONFIG_NAME, NeuronConfig
 from .exporters.registry import get_export_config, load_model_config
 from .memory import check_fits_host_memory
 from .modeling.decoder import StaticDecoder
 from .modeling.spec import DecoderSpec
+from .stamp import ExportStamp
 from .tempdirs import temporary_directory
 from .trust import TrustDecision, trust_decision
 from .weights_io import load_weights
@@ -63,7 +64,7 @@ def load_trusted(artifact_dir: Path, downloaded: bool, trust_remote_code: bool, 
     decision = trust_decision(artifact_dir, downloaded, trust_remote_code)
     if decision.action == "load":
         return load_export(artifact_dir, huge_pages=huge_pages, decision=decision)
-    neuron_config = decision.neuron_config
+    neuron_config = decision.stamp.neuron_config
     if decision.cannot_run:
         logger.warning("The compiled graphs of %s cannot run here: %s. Rebuilding them here from its config and "
                        "weights (once: the compile cache keeps them).", artifact_dir, decision.cannot_run)
@@ -81,38 +82,42 @@ def load_trusted(artifact_dir: Path, downloaded: bool, trust_remote_code: bool, 
 
 def export_and_load(model_id: str, neuron_config: NeuronConfig, *, cache: Optional[CompileCache],
                     huge_pages: Optional[bool], hf_kwargs: Optional[dict] = None,
-                    from_export: bool = False) -> LoadedExport:
+                    from_export: bool = False, config=None) -> LoadedExport:
     """Export `model_id` (a checkpoint, or with `from_export` an export to rebuild) into a directory this process
-    owns until it is saved, and load it."""
+    owns until it is saved, and load it. `config`: the checkpoint's Transformers config where the caller read it."""
     from .exporters.export import export
 
     tmpdir = temporary_directory("export")
     out_dir = Path(tmpdir.name) / "model"
-    if from_export:
-        export(model_id, out_dir, neuron_config, cache=cache, from_export=True)
-    else:
-        export(model_id, out_dir, neuron_config, hf_kwargs=hf_kwargs or {}, cache=cache)
-    return load_export(out_dir, tmpdir=tmpdir, compiled=True, huge_pages=huge_pages)
+    stamp = export(model_id, out_dir, neuron_config, hf_kwargs=hf_kwargs or {}, cache=cache, from_export=from_export,
+                   config=config)
+    return load_export(out_dir, tmpdir=tmpdir, compiled=True, huge_pages=huge_pages, stamp=stamp)
 
 
 def load_export(artifact_dir: Path, *, tmpdir=None, compiled: bool = False, huge_pages: Optional[bool] = None,
-                decision: Optional[TrustDecision] = None) -> LoadedExport:
-    """Load the export in `artifact_dir` as it is (`decision`: the trust decision to load it, which read it). The
-    compiled graphs and configs load from a private copy checked against the digests as it is made: the code that
-    runs is the code that was verified. An export whose graphs cannot run here raises ArtifactError."""
+                decision: Optional[TrustDecision] = None, stamp: Optional[ExportStamp] = None) -> LoadedExport:
+    """Load the export in `artifact_dir` as it is (`decision`: the trust decision to load it, which read it;
+    `stamp`: what this process's export of it wrote). The compiled graphs and configs load from a private copy
+    checked against the digests as it is made: the code that runs is the code that was verified. An export whose
+    graphs cannot run here raises ArtifactError."""
     start = time.perf_counter()
     if decision is not None:
-        neuron_config, meta, problem = decision.neuron_config, decision.meta, decision.cannot_run
+        stamp, backend, problem = decision.stamp, decision.backend, decision.cannot_run
     else:
-        neuron_config, meta = read_artifact(artifact_dir)
-        problem = compiled_code_problem(artifact_dir, meta)
+        stamp = stamp or read_artifact(artifact_dir)
+        backend = get_backend(stamp.neuron_config.backend)
+        problem = compiled_code_problem(stamp, backend)
     if problem:
         raise ArtifactError(f"{artifact_dir} cannot run here: {problem}. Load it with "
                             f"NeuronModelForCausalLM.from_pretrained, which rebuilds its graphs here.")
-    backend = get_backend(neuron_config.backend)
-    with verified_copy(artifact_dir, meta, neuron_config) as private:
+    neuron_config = stamp.neuron_config
+    with verified_copy(artifact_dir, stamp) as private:
         config = load_model_config(private)
-        spec = get_export_config(config.model_type).decoder_spec(config, neuron_config)
+        spec = stamp.spec
+        if spec is None:  # format 7 recorded no spec: derived from config.json as it was then
+            spec = get_export_config(config.model_type).decoder_spec(config, neuron_config)
+        else:
+            _check_config_against_spec(artifact_dir, config, stamp)
         in_memory = use_huge_pages(huge_pages, backend)
         kv_shape = spec.kv_cache_shape(neuron_config.batch_size, neuron_config.sequence_length)
         if backend.uses_host_memory():
@@ -120,8 +125,8 @@ def load_export(artifact_dir: Path, *, tmpdir=None, compiled: bool = False, huge
             weight_bytes = (Path(artifact_dir) / WEIGHTS_NAME).stat().st_size if in_memory else 0
             check_fits_host_memory(kv_bytes * neuron_config.torch_dtype.itemsize + weight_bytes,
                                    f"Loading {artifact_dir} (its KV cache{' and weights' if in_memory else ''})")
-        weights = load_weights(artifact_dir, meta, huge_pages=in_memory)
-        graphs = backend.load(private, [GraphSpec(**g) for g in meta["graphs"]], weights)
+        weights = load_weights(artifact_dir, backend, stamp.backend, huge_pages=in_memory)
+        graphs = backend.load(private, list(stamp.graphs), weights)
         kv_cache = backend.new_kv_cache(graphs, kv_shape, neuron_config.torch_dtype)
         _check_graph_inputs(graphs, neuron_config, tuple(kv_cache.shape))
         generation_config = None
@@ -131,6 +136,20 @@ def load_export(artifact_dir: Path, *, tmpdir=None, compiled: bool = False, huge
                 time.perf_counter() - start, "" if compiled else " (no compilation)")
     return LoadedExport(config, neuron_config, spec, backend, graphs, kv_cache, weights, Path(artifact_dir),
                         generation_config, tmpdir)
+
+
+def _check_config_against_spec(artifact_dir: Path, config, stamp: ExportStamp) -> None:
+    """config.json (the model's config the runtime exposes) against the spec the graphs were compiled from."""
+    spec, redo = stamp.spec, "the export was edited after it was compiled. Re-export the model."
+    if stamp.model_type != config.model_type:
+        raise ArtifactError(f"{artifact_dir}: {NEURON_CONFIG_NAME} records a {stamp.model_type} model but config.json "
+                            f"is {config.model_type}'s: {redo}")
+    for field, compiled in (("num_hidden_layers", spec.num_layers), ("hidden_size", spec.hidden_size),
+                            ("vocab_size", spec.vocab_size)):
+        if getattr(config, field, None) != compiled:
+            raise ArtifactError(f"{artifact_dir}: config.json gives {field} = {getattr(config, field, None)!r} but "
+                                f"the graphs were compiled for {compiled} ({NEURON_CONFIG_NAME}'s decoder spec): "
+                                f"{redo}")
 
 
 def _check_graph_inputs(graphs: dict, nc: NeuronConfig, kv_shape: tuple) -> None:
@@ -166,12 +185,6 @@ def use_huge_pages(asked: Optional[bool], backend) -> bool:
                          f"{'says ' + repr(mode) if mode else 'cannot be read'}. Pass huge_pages=False (the weights "
                          f"are then memory-mapped), or enable them (echo madvise > {THP_SETTING}).")
     return bool(asked)
-
-
-def hub_kwargs(kwargs: dict) -> dict:
-    """The Transformers loading keywords among from_pretrained's (for reading a checkpoint's config)."""
-    return {k: kwargs[k] for k in ("subfolder", "cache_dir", "trust_remote_code", "local_files_only",
-                                   "force_download") if k in kwargs}
 
 
 def _with_source_weights(artifact_dir: Path, cache: CompileCache, kwargs: dict) -> Path:

@@ -28,7 +28,7 @@ from .generation import (NO_INPUTS_EMBEDS, check_batch, check_forward_request, c
                          check_speculation, drafting, drop_cache_options, fit_generation_length, forward_mask,
                          on_device_sampler)
 from .kv_cache import CacheHandle
-from .loading import LoadedExport, export_and_load, hub_kwargs, load_trusted, resolve
+from .loading import LoadedExport, export_and_load, load_trusted, resolve
 
 logger = logging.getLogger(__name__)
 # Transformers 5.24 renamed the model output's and generate's `past_key_values` to `cache` (the old name still
@@ -159,11 +159,10 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
         if export:
             if neuron_config is not None and neuron_kwargs:
                 raise ValueError(f"Pass either neuron_config or {sorted(neuron_kwargs)}, not both.")
+            config = load_model_config(model_id, **kwargs)  # read once: the export plans from it too
             if neuron_config is None:
-                neuron_config = cls.get_neuron_config(model_id, token=kwargs.get("token"),
-                                                      revision=kwargs.get("revision"), **hub_kwargs(kwargs),
-                                                      **neuron_kwargs)
-            return cls.export(model_id, neuron_config=neuron_config, compile_cache=compile_cache,
+                neuron_config = cls.get_neuron_config(model_id, config, **neuron_kwargs)
+            return cls.export(model_id, config, neuron_config, compile_cache=compile_cache,
                               compile_cache_dir=compile_cache_dir, compile_cache_repo=compile_cache_repo,
                               huge_pages=huge_pages, **kwargs)
         from .hub import DOWNLOAD_KWARGS
@@ -204,26 +203,27 @@ class NeuronModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def export(cls, model_id: str | Path, config=None, neuron_config: Optional[NeuronConfig] = None, *,
-               token: Optional[str] = None, revision: Optional[str] = None, load_weights: bool = True,
-               compile_cache: bool = True, compile_cache_dir: Optional[str | Path] = None,
-               compile_cache_repo: Optional[str] = None, huge_pages: Optional[bool] = None,
-               **kwargs) -> "NeuronModelForCausalLM":
-        """Compile `model_id` for `neuron_config` (optimum-neuron 0.4's `export(model_id, config, neuron_config)`;
-        `export(model_id, neuron_config)` works too) and load it. `config` is accepted for compatibility: the
-        checkpoint's own config is read again, so that the export and its cache key come from files.
-        `load_weights=False` is accepted and changes nothing: the graphs run with the weights they were exported
-        with, which are always written."""
+               token: Optional[str] = None, revision: Optional[str] = None, compile_cache: bool = True,
+               compile_cache_dir: Optional[str | Path] = None, compile_cache_repo: Optional[str] = None,
+               huge_pages: Optional[bool] = None, **kwargs) -> "NeuronModelForCausalLM":
+        """Compile `model_id` for `neuron_config` and load it (optimum-neuron 0.4's `export(model_id, config,
+        neuron_config)`; `export(model_id, neuron_config)` works too). `config`: the checkpoint's Transformers config
+        (read from the checkpoint if not given); the export writes it as its config.json."""
         if isinstance(config, NeuronConfig) and neuron_config is None:
             config, neuron_config = None, config
-        if neuron_config is None:
-            neuron_config = cls.get_neuron_config(model_id, config, token=token, revision=revision,
-                                                  **hub_kwargs(kwargs))
+        if kwargs.pop("load_weights", True) is False:
+            logger.warning("export(load_weights=False) is ignored: an export always writes the weights its graphs "
+                           "run with.")
         for name, value in (("token", token), ("revision", revision)):
             if value is not None:
                 kwargs[name] = value
+        if config is None:
+            config = load_model_config(model_id, **kwargs)
+        if neuron_config is None:
+            neuron_config = cls.get_neuron_config(model_id, config)
         cache = CompileCache(compile_cache_dir, compile_cache_repo, token) if compile_cache else None
         return cls(export_and_load(str(model_id), neuron_config, cache=cache, huge_pages=huge_pages,
-                                   hf_kwargs=kwargs))
+                                   hf_kwargs=kwargs, config=config))
 
     def save_pretrained(self, save_directory: str | Path, push_to_hub: bool = False, **kwargs) -> None:
         """Write the artifact (weights, graphs, configs, tokenizer files) to `save_directory`, atomically.

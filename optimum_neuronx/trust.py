@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 from .artifacts import compiled_code_problem, export_identity, read_artifact
+from .backends import Backend, get_backend
 from .digests import file_sha256
+from .stamp import ExportStamp
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +120,12 @@ def cache_entry_recorded(entry_dir: str | Path, entry_meta: str | Path) -> bool:
 class TrustDecision:
     """What loading does with an export's compiled graphs: "load" them, or "rebuild" them here from its config and
     weights. `cannot_run`: why its graphs cannot run on this machine ("" if they can: then a rebuild means they are
-    not trusted). `neuron_config` and `meta`: the export as read for the decision."""
+    not trusted). `stamp`: the export as read for the decision; `backend`: the one it names."""
 
     action: str
     cannot_run: str
-    neuron_config: object
-    meta: dict
+    stamp: ExportStamp
+    backend: Backend
 
 
 def trust_decision(artifact_dir: Path, downloaded: bool, trust_remote_code: bool) -> TrustDecision:
@@ -136,14 +138,15 @@ def trust_decision(artifact_dir: Path, downloaded: bool, trust_remote_code: bool
         origins.append(provenance(artifact_dir, identity))
         return downloaded or origins[-1] != "here"
 
-    neuron_config, meta = read_artifact(artifact_dir, check_digests=digests_needed)
-    problem = compiled_code_problem(artifact_dir, meta)
+    stamp = read_artifact(artifact_dir, check_digests=digests_needed)
+    backend = get_backend(stamp.neuron_config.backend)
+    problem = compiled_code_problem(stamp, backend)
     if problem:
-        return TrustDecision("rebuild", problem, neuron_config, meta)
+        return TrustDecision("rebuild", problem, stamp, backend)
     if origins[-1] != "foreign":
-        record_produced_here(artifact_dir, "copied", meta["identity"])
-        return TrustDecision("load", "", neuron_config, meta)
+        record_produced_here(artifact_dir, "copied", stamp.identity)
+        return TrustDecision("load", "", stamp, backend)
     if trust_remote_code:
-        record_produced_here(artifact_dir, "trusted by the user", meta["identity"])
-        return TrustDecision("load", "", neuron_config, meta)
-    return TrustDecision("rebuild", "", neuron_config, meta)
+        record_produced_here(artifact_dir, "trusted by the user", stamp.identity)
+        return TrustDecision("load", "", stamp, backend)
+    return TrustDecision("rebuild", "", stamp, backend)

@@ -93,8 +93,10 @@ def reference_from_artifact(artifact_dir: str | Path):
     from transformers import AutoModelForCausalLM
 
     from .exporters.export import artifact_state_dict
+    from .exporters.registry import load_model_config
 
-    config, restored = artifact_state_dict(artifact_dir)
+    config = load_model_config(artifact_dir)
+    restored = artifact_state_dict(artifact_dir, config)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     reference.load_state_dict(restored, strict=False)
     if getattr(config, "tie_word_embeddings", False):

@@ -14,7 +14,8 @@ from typing import Iterator
 import torch
 
 from .artifacts import WEIGHTS_NAME, ArtifactError
-from .backends import get_backend
+from .backends import Backend
+from .stamp import BackendStamp
 
 logger = logging.getLogger(__name__)
 WEIGHTS_ALIGNMENT = 64  # bytes: one cache line, the width of an AVX-512 load
@@ -51,8 +52,9 @@ def save_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
             f.write(tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def load_weights(directory: str | Path, meta: dict, huge_pages: bool = False) -> dict[str, torch.Tensor]:
-    """The export's weights, those its stamp lists as packable reordered by its backend.
+def load_weights(directory: str | Path, backend: Backend, stamp: BackendStamp,
+                 huge_pages: bool = False) -> dict[str, torch.Tensor]:
+    """The export's weights, those its `stamp` lists as packable reordered by `backend`.
 
     Plain weights stay memory-mapped or, with `huge_pages`, are read into memory in 2 MiB pages (see
     huge_pages.py). Each packable one is mapped on its own and unmapped once packed, so the load never holds a
@@ -61,15 +63,14 @@ def load_weights(directory: str | Path, meta: dict, huge_pages: bool = False) ->
     from safetensors import safe_open
 
     path = str(Path(directory) / WEIGHTS_NAME)
-    compiler = meta["versions"]["compiler"]
-    packable = set(compiler.get("packable_weights", ()))
+    packable = set(stamp.packable_weights)
     if huge_pages:
         weights = read_into_huge_pages(path, exclude=packable)
     else:
         with safe_open(path, framework="pt") as f:
             weights = {name: f.get_tensor(name) for name in f.keys() if name not in packable}
     if packable:
-        backend, rows = get_backend(meta["neuron_config"]["backend"]), compiler["lowering"]["packed_rows"]
+        rows = stamp.packed_rows
         with _reading_ahead(path):
             for name in sorted(packable):  # file order: safetensors writes tensors sorted by name
                 with safe_open(path, framework="pt") as f:

@@ -209,10 +209,10 @@ def seed_compile_cache(cache_dir, checkpoint, model):
 
     from optimum_neuronx.artifacts import WEIGHTS_NAME
     from optimum_neuronx.cache import CompileCache
-    from optimum_neuronx.exporters.export import prepare
+    from optimum_neuronx.exporters.plan import plan_export
 
     meta = json.loads((model.artifact_dir / "neuron_config.json").read_text())
-    key = prepare(str(checkpoint), model.neuron_config, load_weights=False).cache_key()
+    key = plan_export(str(checkpoint), model.neuron_config, check_host_memory=False).cache_key()
     graph_files = tuple(name for name in meta["files"] if name != WEIGHTS_NAME)
     CompileCache(cache_dir).store(key, model.artifact_dir, graph_files, meta["compile_time_s"])
     return cache_dir

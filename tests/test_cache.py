@@ -16,7 +16,8 @@ from conftest import BF16_EXPORT, seed_compile_cache, tiny_export
 from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.cache import CompileCache
 from optimum_neuronx.backends.workers import COMPILE_WORKERS_ENV
-from optimum_neuronx.exporters import export as export_module
+from optimum_neuronx.backends import get_backend
+from optimum_neuronx.exporters.plan import plan_export
 
 OPTIMUM_CLI = str(Path(sys.executable).parent / "optimum-cli")
 PROMPT = torch.tensor([[7, 8, 9, 10]])
@@ -42,7 +43,7 @@ def test_second_export_is_a_cache_hit_and_compiles_nothing(filled_cache, tiny_ch
     def refuse(*args, **kwargs):
         raise AssertionError("compiled despite a cache hit")
 
-    monkeypatch.setattr(export_module.get_backend("inductor"), "compile", refuse)
+    monkeypatch.setattr(get_backend("inductor"), "compile", refuse)
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
         model = _export(tiny_checkpoint("qwen2"), cache_dir)
     assert "Compile cache hit" in caplog.text and "nothing to compile" in caplog.text
@@ -66,7 +67,7 @@ def test_a_fine_tune_reuses_the_base_models_graphs(filled_cache, tiny_checkpoint
     def refuse(*args, **kwargs):
         raise AssertionError("compiled despite a cache hit")
 
-    monkeypatch.setattr(export_module.get_backend("inductor"), "compile", refuse)
+    monkeypatch.setattr(get_backend("inductor"), "compile", refuse)
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
         model = _export(tmp_path / "fine-tune", cache_dir)
     assert "Compile cache hit" in caplog.text
@@ -77,10 +78,10 @@ def test_a_fine_tune_reuses_the_base_models_graphs(filled_cache, tiny_checkpoint
 
 def test_miss_says_which_field_differs(filled_cache, tiny_checkpoint):
     cache_dir, _ = filled_cache
-    prepared = export_module.prepare(str(tiny_checkpoint("qwen2")), NeuronConfig(**tiny_export(
-        "qwen2", sequence_length=48, token_buckets=[32, 48])))
+    plan = plan_export(str(tiny_checkpoint("qwen2")), NeuronConfig(**tiny_export(
+        "qwen2", sequence_length=48, token_buckets=[32, 48])), check_host_memory=False)
     cache = CompileCache(cache_dir)
-    key = prepared.cache_key()
+    key = plan.cache_key()
     assert cache.lookup(key) is None
     reason = cache.miss_reason(key)
     assert "neuron_config.sequence_length: cached 64, requested 48" in reason

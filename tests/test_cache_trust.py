@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from optimum_neuronx import NeuronModelForCausalLM
-from optimum_neuronx.cache import ENTRY_META, CompileCache
+from optimum_neuronx.cache import ENTRY_META, CompileCache, cache_key
 from optimum_neuronx.configuration import NeuronConfig
 from optimum_neuronx.digests import file_sha256
-from optimum_neuronx.exporters.export import prepare
+from optimum_neuronx.exporters.plan import plan_export
 from optimum_neuronx.trust import provenance_dir
+from optimum_neuronx.backends import get_backend
 
 SMALL = dict(batch_size=1, sequence_length=32, context_buckets=(16,), token_buckets=(32,))
 
@@ -43,11 +44,10 @@ def test_a_planted_entry_is_ignored_and_recompiled(tiny_checkpoint, compiled_mod
     matching cache_entry.json: its graphs are not used (an INFO line names it), the export compiles its own (here it
     is stopped there), and what it stores replaces the planted entry."""
     from conftest import seed_compile_cache, tiny_export
-    from optimum_neuronx.exporters import export as export_module
 
     session_export = compiled_model("llama")  # (compiled, or loaded from the session's cache, before compiling is stopped)
     checkpoint, options = str(tiny_checkpoint("llama")), tiny_export("llama")
-    key = prepare(checkpoint, NeuronConfig(**options), load_weights=False).cache_key()
+    key = plan_export(checkpoint, NeuronConfig(**options), check_host_memory=False).cache_key()
     cache = CompileCache(tmp_path / "shared-cache")
     planted = cache.entry_dir(key)
     planted.mkdir(parents=True)
@@ -60,7 +60,7 @@ def test_a_planted_entry_is_ignored_and_recompiled(tiny_checkpoint, compiled_mod
     def compiles_its_own(*args, **kwargs):
         raise RuntimeError("compiling its own graphs")
 
-    monkeypatch.setattr(export_module.get_backend("inductor"), "compile", compiles_its_own)
+    monkeypatch.setattr(get_backend("inductor"), "compile", compiles_its_own)
     with caplog.at_level(logging.INFO, logger="optimum_neuronx"), pytest.raises(RuntimeError, match="its own graphs"):
         NeuronModelForCausalLM.from_pretrained(checkpoint, export=True, compile_cache_dir=cache.root, **options)
     assert f"Compile cache entry {planted} was not stored by this user" in caplog.text
@@ -82,7 +82,7 @@ def test_a_malformed_entry_is_skipped_with_a_warning(tmp_path, caplog):
     for name, text in [("a" * 32, '{"sha256": {}}'), ("b" * 32, "[" * 200_000), ("c" * 32, '{"fields": 3}')]:
         (tmp_path / "entries" / name).mkdir(parents=True)
         (tmp_path / "entries" / name / ENTRY_META).write_text(text)
-    key = prepare.__globals__["cache_key"]({"model_type": "llama"}, {"batch_size": 1}, {})
+    key = cache_key({"model_type": "llama"}, {"batch_size": 1}, {})
     with caplog.at_level(logging.WARNING, logger="optimum_neuronx"):
         assert list(cache.entries()) == []
         assert cache.miss_reason(key) == "the cache is empty"
@@ -104,8 +104,8 @@ def test_cache_clear_removes_entries_only(tmp_path):
 def test_the_key_holds_only_what_changes_the_graphs(tiny_checkpoint):
     """instance_type plans Neuron devices: on the inductor backend every value gives the same key."""
     checkpoint = str(tiny_checkpoint("llama"))
-    digests = {prepare(checkpoint, NeuronConfig(**SMALL, instance_type=name), load_weights=False).cache_key().digest
-               for name in (None, "inf2", "trn1", "trn2.48xlarge")}
+    digests = {plan_export(checkpoint, NeuronConfig(**SMALL, instance_type=name),
+                           check_host_memory=False).cache_key().digest for name in (None, "inf2", "trn1", "trn2.48xlarge")}
     assert len(digests) == 1
 
 

@@ -16,7 +16,7 @@ from optimum_neuronx.backends.inductor.backend import parse_compiler_args
 from optimum_neuronx.backends.neuron import neuronx_cc
 from optimum_neuronx.configuration import NeuronConfig
 from optimum_neuronx.instances import INSTANCE_TYPES
-from optimum_neuronx.exporters.export import prepare
+from optimum_neuronx.exporters.plan import plan_export
 from test_trust import foreign_copy, restamp  # noqa: F401 (fixture)
 
 
@@ -92,18 +92,18 @@ def test_neuron_cc_flags_reach_neuronx_cc_through_the_allow_list(tiny_checkpoint
     neuronx-cc command line; a refused flag is an error naming the variable and the flag."""
     monkeypatch.setenv("NEURON_CC_FLAGS", "--auto-cast matmult --enable-fast-loading-neuron-binaries")
     config = NeuronConfig(batch_size=1, sequence_length=32, context_buckets=(16,), backend="neuron")
-    prepared = prepare(str(tiny_checkpoint("llama")), config, load_weights=False)
+    prepared = plan_export(str(tiny_checkpoint("llama")), config, check_host_memory=False)
     flags = ("--auto-cast", "matmult", "--enable-fast-loading-neuron-binaries")
     assert prepared.neuron_config.compiler_args == flags
     assert prepared.cache_key().fields["neuron_config"]["compiler_args"] == list(flags)
     command = neuronx_cc.argv(__import__("pathlib").Path("g.hlo.pb"), __import__("pathlib").Path("g.neff"),
                               INSTANCE_TYPES["inf2"], "bf16", prepared.neuron_config.compiler_args)
     assert command[-3:] == list(flags)
-    again = prepare(str(tiny_checkpoint("llama")), prepared.neuron_config, load_weights=False)
+    again = plan_export(str(tiny_checkpoint("llama")), prepared.neuron_config, check_host_memory=False)
     assert again.neuron_config.compiler_args == flags  # not added twice on a rebuild
     monkeypatch.setenv("NEURON_CC_FLAGS", "--logfile /tmp/x")
     with pytest.raises(ValueError, match=r"\$NEURON_CC_FLAGS: neuronx-cc flag '--logfile' is refused"):
-        prepare(str(tiny_checkpoint("llama")), config, load_weights=False)
+        plan_export(str(tiny_checkpoint("llama")), config, check_host_memory=False)
     assert get_backend("inductor").environment_compiler_args() == ()  # the variable is neuronx-cc's alone
 
 

@@ -11,6 +11,7 @@ from optimum_neuronx import NeuronConfig, NeuronModelForCausalLM
 from optimum_neuronx.artifacts import ArtifactError
 from optimum_neuronx.exporters import export as export_module
 from optimum_neuronx.loading import load_export
+from optimum_neuronx.backends import get_backend
 
 MODEL = "llama"
 
@@ -225,7 +226,7 @@ def test_interrupted_export_leaves_nothing(tiny_checkpoint, tmp_path, monkeypatc
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("simulated interruption during compilation")
 
-    monkeypatch.setattr(export_module.get_backend("inductor"), "compile", crash)
+    monkeypatch.setattr(get_backend("inductor"), "compile", crash)
     target = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         export_module.export(str(tiny_checkpoint(MODEL)), target, NeuronConfig(sequence_length=32))
@@ -256,12 +257,12 @@ def test_sequence_length_past_max_position_embeddings(tiny_checkpoint, caplog):
     import logging
 
     from optimum_neuronx.configuration import NeuronConfig
-    from optimum_neuronx.exporters.export import prepare
+    from optimum_neuronx.exporters.plan import plan_export
 
     with pytest.raises(ValueError, match=r"sequence_length = 512 is longer than the model's max_position_embeddings "
                                          r"= 256: positions past it were never trained. Export with sequence_length "
                                          r"<= 256"):
-        prepare(str(tiny_checkpoint("qwen2")), NeuronConfig(sequence_length=512), load_weights=False)
+        plan_export(str(tiny_checkpoint("qwen2")), NeuronConfig(sequence_length=512), check_host_memory=False)
     from transformers import AutoConfig
 
     from optimum_neuronx.exporters.registry import get_export_config

@@ -10,8 +10,11 @@ from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx import weights_io as artifacts_module
 from optimum_neuronx import huge_pages as huge_pages_module
 from optimum_neuronx.artifacts import ArtifactError, read_artifact
+from optimum_neuronx.backends import get_backend
 from optimum_neuronx.weights_io import load_weights, read_into_huge_pages, save_weights
 from optimum_neuronx.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer, huge_page_share, transparent_huge_pages
+
+BACKEND = get_backend("inductor")
 
 linux_only = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="MADV_HUGEPAGE is Linux's")
 
@@ -52,9 +55,9 @@ def test_huge_page_share_is_read_from_the_buffers_mapping(tmp_path):
 
 @linux_only
 def test_weights_in_huge_pages_equal_the_mapped_ones(saved_tiny_llama):
-    _, meta = read_artifact(saved_tiny_llama)
-    mapped = load_weights(saved_tiny_llama, meta)
-    read = load_weights(saved_tiny_llama, meta, huge_pages=True)
+    stamp = read_artifact(saved_tiny_llama)
+    mapped = load_weights(saved_tiny_llama, BACKEND, stamp.backend)
+    read = load_weights(saved_tiny_llama, BACKEND, stamp.backend, huge_pages=True)
     assert read.keys() == mapped.keys()
     for name, weight in mapped.items():
         assert read[name].dtype == weight.dtype and read[name].shape == weight.shape, name
@@ -76,15 +79,15 @@ def _huge_page_shares(monkeypatch, shares: list) -> tuple[list, list]:
 @linux_only
 def test_too_few_huge_pages_keep_the_read_copy_and_say_so(saved_tiny_llama, monkeypatch, caplog):
     collapsed, dropped = _huge_page_shares(monkeypatch, [0.5])
-    _, meta = read_artifact(saved_tiny_llama)
+    stamp = read_artifact(saved_tiny_llama)
     with caplog.at_level(logging.WARNING, logger="optimum_neuronx"):
-        weights = load_weights(saved_tiny_llama, meta, huge_pages=True)
+        weights = load_weights(saved_tiny_llama, BACKEND, stamp.backend, huge_pages=True)
     # asked for huge pages twice, the second time with the file's page cache given back; the file mapped now would
     # fault in from storage into small pages, so the copy stays
     assert len(collapsed) == 2 and dropped == [str(saved_tiny_llama / "neuronx_weights.safetensors")]
     assert "Only 50% of" in caplog.text and "4 KiB pages" in caplog.text
     assert min(w.data_ptr() for w in weights.values()) % HUGE_PAGE_BYTES == 0  # the read buffer, not the file
-    mapped = load_weights(saved_tiny_llama, meta)
+    mapped = load_weights(saved_tiny_llama, BACKEND, stamp.backend)
     assert all(torch.equal(weights[name], weight) for name, weight in mapped.items())
 
 
@@ -93,8 +96,8 @@ def test_too_few_huge_pages_keep_the_read_copy_and_say_so(saved_tiny_llama, monk
 def test_a_short_share_of_huge_pages_is_collapsed_then_given_room(saved_tiny_llama, monkeypatch, shares, collapses,
                                                                  drops):
     collapsed, dropped = _huge_page_shares(monkeypatch, shares)
-    _, meta = read_artifact(saved_tiny_llama)
-    weights = load_weights(saved_tiny_llama, meta, huge_pages=True)
+    stamp = read_artifact(saved_tiny_llama)
+    weights = load_weights(saved_tiny_llama, BACKEND, stamp.backend, huge_pages=True)
     assert (len(collapsed), len(dropped)) == (collapses, drops)
     # kept in the read buffer (one allocation, 2 MiB aligned), not mapped from the file
     assert min(w.data_ptr() for w in weights.values()) % HUGE_PAGE_BYTES == 0
@@ -130,7 +133,8 @@ def test_huge_pages_where_the_kernel_has_none(saved_tiny_llama, monkeypatch):
         NeuronModelForCausalLM.from_pretrained(saved_tiny_llama, huge_pages=True)
     loaded = []
     monkeypatch.setattr("optimum_neuronx.loading.load_weights",
-                        lambda directory, meta, huge_pages: loaded.append(huge_pages) or load_weights(directory, meta))
+                        lambda directory, backend, stamp, huge_pages: loaded.append(huge_pages)
+                        or load_weights(directory, backend, stamp))
     NeuronModelForCausalLM.from_pretrained(saved_tiny_llama)  # the default: memory-mapped, no error
     assert loaded == [False]
 

@@ -1,6 +1,6 @@
 """The package's imports run one way: commands / pipelines -> server -> runtime, scheduler -> engine, loading,
-generation -> exporters -> artifacts, cache, hub -> backends -> modeling -> configuration, with no cycles
-(docs/architecture.md). Function-level imports count too."""
+generation -> exporters -> stamp, artifacts, cache, hub -> backends -> modeling -> configuration, with no cycles,
+as docs/architecture.md's table of layers says. Function-level imports count too."""
 
 from __future__ import annotations
 
@@ -16,13 +16,24 @@ LAYERS = [
     ("modeling",),
     ("memory", "huge_pages", "buckets"),
     ("backends",),
-    ("artifacts", "weights_io", "trust", "cache", "hub"),
+    ("stamp", "artifacts", "weights_io", "trust", "cache", "hub"),
     ("exporters",),
     ("kv_cache", "engine", "loading", "generation"),
     ("scheduler", "runtime", "verification", "utils"),
     ("server",),
     ("pipelines", "commands", "serve", "__init__"),
 ]
+
+
+def test_the_layers_are_those_docs_architecture_lists():
+    import re
+
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = text.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and "`" in line]
+    documented = [tuple(name.removesuffix("/").removesuffix(".py") for name in re.findall(r"`([^`]+)`", row))
+                  for row in rows]
+    assert [set(names) for names in reversed(documented)] == [set(names) for names in LAYERS]
 
 
 def _modules() -> dict[str, Path]:

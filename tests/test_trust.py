@@ -18,7 +18,6 @@ import torch
 from conftest import left_padded_prompts
 from optimum_neuronx import NeuronModelForCausalLM
 from optimum_neuronx.artifacts import ArtifactError, config_hash
-from optimum_neuronx.configuration import NeuronConfig
 from optimum_neuronx.digests import file_sha256
 
 EVIL_C = r"""
@@ -38,8 +37,7 @@ def restamp(directory: Path) -> None:
     for name in meta["files"]:
         meta["files"][name] = {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)}
     config = json.loads((directory / "config.json").read_text())
-    meta["config_hash"] = config_hash(config, NeuronConfig.from_dict(meta["neuron_config"]), meta["graphs"],
-                                      meta["files"])
+    meta["config_hash"] = config_hash(config, meta)
     meta_path.write_text(json.dumps(meta, indent=2))
 
 
@@ -141,11 +139,16 @@ def test_a_flipped_graph_file_is_caught_before_it_is_loaded(foreign_copy):
         NeuronModelForCausalLM.from_pretrained(foreign_copy, trust_remote_code=True)
 
 
-def edit_to_one_layer(directory: Path) -> None:
-    """config.json edited to one layer (the weights hold two), every hash recomputed."""
+def edit_to_one_layer(directory: Path, spec_too: bool = False) -> None:
+    """config.json edited to one layer (the weights hold two; `spec_too`: neuron_config.json's decoder spec as
+    well), every hash recomputed."""
     config = json.loads((directory / "config.json").read_text())
     config["num_hidden_layers"] = 1
     (directory / "config.json").write_text(json.dumps(config))
+    if spec_too:
+        meta = json.loads((directory / "neuron_config.json").read_text())
+        meta["model"]["decoder_spec"]["num_layers"] = 1
+        (directory / "neuron_config.json").write_text(json.dumps(meta))
     restamp(directory)
 
 
@@ -160,6 +163,10 @@ def test_edited_config_with_recomputed_hashes_gets_a_clear_error(foreign_copy):
 def test_a_trusted_export_edited_after_compiling_gets_a_clear_error_not_a_crash(foreign_copy):
     # Even with consent, graphs are never handed inputs of other shapes than they were compiled for.
     edit_to_one_layer(foreign_copy)
+    with pytest.raises(ArtifactError, match=r"config.json gives num_hidden_layers = 1 but the graphs were compiled "
+                                            r"for 2 \(neuron_config.json's decoder spec\): the export was edited"):
+        NeuronModelForCausalLM.from_pretrained(foreign_copy, trust_remote_code=True)
+    edit_to_one_layer(foreign_copy, spec_too=True)
     with pytest.raises(ArtifactError, match=r"graph prefill_16 was compiled for kv_cache \(2, 2, 3, 2, 64, 16\) "
                                             r"float32, but this export's config.json and neuron_config.json give "
                                             r"\(1, 2, 3, 2, 64, 16\) float32"):

@@ -51,18 +51,17 @@ def run_list(args) -> int:
 def run_lookup(args) -> int:
     """From the model's config alone (no weights): the cached graphs for its decoder, and whether the export the
     options describe (unset ones default as in `export neuron`) is among them."""
-    from transformers import AutoConfig
-
     from ..cache import CompileCache
-    from ..exporters.export import prepare
+    from ..exporters.plan import plan_export
+    from ..exporters.registry import load_model_config
     from .export import hf_kwargs_from_args, neuron_config_from_args
 
     cache: CompileCache = _cache(args)
     try:
         hf_kwargs = hf_kwargs_from_args(args)
-        neuron_config = neuron_config_from_args(args, AutoConfig.from_pretrained(args.model, **hf_kwargs))
-        prepared = prepare(args.model, neuron_config, hf_kwargs, load_weights=False)
-        key = prepared.cache_key()
+        config = load_model_config(args.model, **hf_kwargs)
+        neuron_config = neuron_config_from_args(args, config)
+        key = plan_export(args.model, neuron_config, hf_kwargs, config=config, check_host_memory=False).cache_key()
         model = key.fields["model"]
         remote = cache.hub_entry_metas() if cache.hub_repo else []
     except (ValueError, OSError) as err:

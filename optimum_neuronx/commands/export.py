@@ -165,11 +165,10 @@ def _int_list(text: str) -> list[int]:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
     from ..artifacts import ArtifactError
     from ..cache import CompileCache
     from ..exporters.export import export
+    from ..exporters.registry import load_model_config
 
     show_progress()
     try:
@@ -185,13 +184,14 @@ def run_export(args: argparse.Namespace) -> int:
             raise FileExistsError(f"output directory {args.output} exists and is not empty; pass --overwrite "
                                   f"to replace its content, or choose another directory")
         hf_kwargs = hf_kwargs_from_args(args)
-        neuron_config = neuron_config_from_args(args, AutoConfig.from_pretrained(args.model, **hf_kwargs))
+        config = load_model_config(args.model, **hf_kwargs)
+        neuron_config = neuron_config_from_args(args, config)
         cache = None if args.no_cache else CompileCache(args.compile_cache_dir, args.cache_repo)
-        meta = export(args.model, args.output, neuron_config, hf_kwargs=hf_kwargs, cache=cache)
+        stamp = export(args.model, args.output, neuron_config, hf_kwargs=hf_kwargs, cache=cache, config=config)
     except (ValueError, ArtifactError, FileExistsError, OSError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    for name, seconds in meta["compile_time_s"].items():
+    for name, seconds in stamp.compile_time_s.items():
         print(f"compiled {name} in {seconds:.1f} s")
     print(f"Exported {args.model} ({neuron_config.auto_cast_type}, batch_size={neuron_config.batch_size}, "
           f"sequence_length={neuron_config.sequence_length}) to {args.output}")

@@ -3,6 +3,8 @@ scalars) and where each layer's K/V live in the cache tensor (`window_cache_plac
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 NORMS = ("rms", "layer", "gemma")  # RMSNorm; LayerNorm with a bias; RMSNorm scaled by 1 + weight, in float32
@@ -78,6 +80,67 @@ class DecoderSpec:
         if self.cache_places:
             rows, slots = 1 + max(row for row, _, _ in self.cache_places), max(n for _, _, n in self.cache_places)
         return (rows, 2, batch_size, self.num_kv_heads, slots, self.head_dim)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data) -> "DecoderSpec":
+        """The spec an export recorded (`to_dict`), every field checked against its type and the kinds against
+        NORMS, POSITIONS and MLPS: ValueError naming the first that is not what a spec holds."""
+        if not isinstance(data, dict):
+            raise ValueError(f"the decoder spec is {type(data).__name__}, not an object")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        missing = sorted(name for name, f in fields.items() if name not in data
+                         and f.default is dataclasses.MISSING)
+        if unknown or missing:
+            raise ValueError(f"the decoder spec has unknown fields {unknown} or lacks {missing}")
+        values = {}
+        for name, value in data.items():
+            parsed = _SPEC_FIELD_TYPES[fields[name].type](value)
+            if parsed is _BAD:
+                raise ValueError(f"the decoder spec's {name} = {str(value)[:80]} is not of type {fields[name].type}")
+            values[name] = parsed
+        for name, allowed in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
+            if values.get(name, fields[name].default) not in allowed:
+                raise ValueError(f"the decoder spec's {name} = {values[name]!r} is none of {allowed}")
+        return cls(**values)
+
+
+_MAX_SIZE = 1 << 24  # no size of a real model comes near
+_BAD = object()  # what a field parser returns for a value that is not of its type
+
+
+def _size(value):
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_SIZE else _BAD
+
+
+def _number(value):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else _BAD
+
+
+def _sequence(item, length: int | None = None):
+    def parse(value):
+        if not isinstance(value, (list, tuple)) or len(value) > _MAX_SIZE or length not in (None, len(value)):
+            return _BAD
+        parsed = tuple(item(v) for v in value)
+        return _BAD if any(v is _BAD for v in parsed) else parsed
+    return parse
+
+
+# A DecoderSpec field's annotation -> its parser.
+_SPEC_FIELD_TYPES = {
+    "int": _size,
+    "float": _number,
+    "float | None": lambda v: None if v is None else _number(v),
+    "str": lambda v: v if isinstance(v, str) and len(v) <= 64 else _BAD,
+    "bool": lambda v: v if isinstance(v, bool) else _BAD,
+    "tuple[float, ...]": _sequence(_number),
+    "tuple[int, ...]": _sequence(_size),
+    "tuple[tuple[int, int, int], ...]": _sequence(_sequence(_size, 3)),
+}
 
 
 def window_cache_places(num_layers: int, sliding_layers: tuple[int, ...], window: int,
