@@ -6,7 +6,6 @@ weight-name mapping from the Transformers checkpoint to the decoder's (fused) pa
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Mapping, Union
@@ -16,8 +15,8 @@ import torch
 from ..configuration import NeuronConfig
 from ..modeling.spec import DecoderSpec, window_cache_places
 from ..modeling.layout import untile_weight
+from .rope import check_long_rope_buckets, check_rope_length, check_rope_types, rope_fields
 
-logger = logging.getLogger(__name__)
 
 # A flag is either a constant or the name of a boolean field of the Transformers config.
 Flag = Union[bool, str]
@@ -34,7 +33,6 @@ def is_config_size(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_CONFIG_SIZE
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -61,7 +59,6 @@ LLAMA_FAMILY_WEIGHTS: Mapping[str, tuple[str, ...]] = {
 
 _LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
 
-logger = logging.getLogger(__name__)
 
 
 def _flag(config, flag: Flag) -> bool:
@@ -121,17 +118,8 @@ class ExportConfig:
                                  f"the model's learned position table (max_position_embeddings = {limit}): export "
                                  f"with sequence_length <= {limit}.")
         else:
-            self._check_rope_length(config, neuron_config.sequence_length)
-        for layer_type, rope in _rope_sets(config).items():
-            where = f"config.rope_parameters{f'[{layer_type!r}]' if layer_type else ''}"
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(
-                    f"{self.model_type}: {where}['rope_type'] = {rope_type!r} is not supported by the static decoder; "
-                    f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}.")
-            partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-            if partial not in (None, 1.0):
-                raise ValueError(f"{self.model_type}: partial_rotary_factor = {partial} is not supported (only 1.0).")
+            check_rope_length(self.model_type, config, neuron_config.sequence_length)
+        check_rope_types(self.model_type, config)
         layer_types = getattr(config, "layer_types", None) or ()
         unknown = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
         if unknown:
@@ -147,51 +135,11 @@ class ExportConfig:
                 f"{self.model_type}: config.hidden_act = {act!r} is not supported; use one of {SUPPORTED_ACTIVATIONS}."
             )
 
-        long_rope = _long_rope_parameters(config)
-        after = long_rope.get("rope_long_after", 0)
-        if after and after < neuron_config.sequence_length and neuron_config.context_buckets[-1] <= after:
-            raise ValueError(
-                f"{self.model_type}: LongRoPE switches to its long frequencies past original_max_position_embeddings "
-                f"= {after}, and generation then re-encodes the whole sequence (as Transformers does), which needs a "
-                f"context bucket of at least {after + 1} tokens; the largest is {neuron_config.context_buckets[-1]}. "
-                f"Add one (e.g. context_buckets=[..., {neuron_config.sequence_length}]) or export with "
-                f"sequence_length <= {after}.")
-
-    def _check_rope_length(self, config, sequence_length: int) -> None:
-        """sequence_length past max_position_embeddings only where the model's RoPE scaling covers it (logged)."""
-        limit = getattr(config, "max_position_embeddings", None)
-        if not isinstance(limit, int) or sequence_length <= limit:
-            return
-        covered, how = limit, ""
-        for rope in _rope_sets(config).values():
-            factor = (rope or {}).get("factor")
-            if isinstance(factor, (int, float)) and factor > 1:
-                original = rope.get("original_max_position_embeddings") or getattr(
-                    config, "original_max_position_embeddings", None) or limit
-                if int(original * factor) > covered:
-                    covered, how = int(original * factor), rope.get("rope_type", rope.get("type", "?"))
-        if sequence_length > covered:
-            raise ValueError(f"{self.model_type}: sequence_length = {sequence_length} is longer than the model's "
-                             f"max_position_embeddings = {limit}" + (f" and what its {how} RoPE scaling covers "
-                                                                      f"({covered})" if how else "")
-                             + f": positions past it were never trained. Export with sequence_length <= {covered}.")
-        logger.info("%s: sequence_length %d is past max_position_embeddings %d; its %s RoPE scaling covers %d.",
-                    self.model_type, sequence_length, limit, how, covered)
+        check_long_rope_buckets(self.model_type, config, neuron_config)
 
     # -- decoder spec -----------------------------------------------------------------------------
     def decoder_spec(self, config, neuron_config: NeuronConfig) -> DecoderSpec:
         self.check_supported(config, neuron_config)
-        rotary = self.positions == "rope"
-        sets = _rope_sets(config)
-        global_type = "full_attention" if "full_attention" in sets else None
-        inv_freq, attention_scaling = _rope_parameters(config, global_type) if rotary else ((), 1.0)
-        local = {}
-        if rotary and "sliding_attention" in sets:  # gemma3: local layers rotate with their own frequencies
-            local_freq, local_scaling = _rope_parameters(config, "sliding_attention")
-            local = {"rope_local_inv_freq": tuple(float(x) for x in local_freq),
-                     "rope_local_attention_scaling": float(local_scaling),
-                     "rope_local_layers": tuple(i for i, t in enumerate(config.layer_types) if t == "sliding_attention")}
-        long_rope = _long_rope_parameters(config) if rotary else {}
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return DecoderSpec(
             vocab_size=config.vocab_size,
@@ -208,13 +156,12 @@ class ExportConfig:
             mlp_bias=_flag(config, self.mlp_bias),
             qk_norm=self.qk_norm,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            rope_inv_freq=tuple(float(x) for x in inv_freq),
-            rope_attention_scaling=float(attention_scaling),
+            **(rope_fields(config) if self.positions == "rope" else {"rope_inv_freq": (),
+                                                                     "rope_attention_scaling": 1.0}),
             **{name: float(source(config) if callable(source) else getattr(config, source))
                for name, source in self.scalars.items()},
-            **local, sandwich_norms=self.sandwich_norms,
+            sandwich_norms=self.sandwich_norms,
             nope_layers=self._nope_layers(config),
-            **long_rope,
             **self._sliding_window(config, neuron_config),
             norm=self.norm, positions=self.positions, mlp=self.mlp,
             max_positions=config.max_position_embeddings if self.positions == "learned" else 0,
@@ -325,38 +272,3 @@ def _is_stacked(name: str) -> bool:
 
 def _layer_name(stacked_name: str, layer: int) -> str:
     return stacked_name.replace("layers.", f"layers.{layer}.", 1)
-
-
-def _long_rope_parameters(config) -> dict:
-    """LongRoPE's second set of frequencies (for calls past the pretraining length) and where it starts; {} for
-    other RoPE types."""
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    if rope.get("rope_type") != "longrope":
-        return {}
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    after = int(rope.get("original_max_position_embeddings") or config.original_max_position_embeddings)
-    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=after + 1)
-    return {"rope_long_inv_freq": tuple(float(x) for x in long_inv_freq), "rope_long_after": after}
-
-
-def _rope_sets(config) -> dict:
-    """The RoPE parameters by layer type ({None: ...} where one set serves every layer)."""
-    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    if rope and all(isinstance(v, dict) for v in rope.values()):
-        return rope
-    return {None: rope}
-
-
-def _rope_parameters(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    rope = dict(_rope_sets(config).get(layer_type) or {})
-    rope_type = rope.get("rope_type", "default")
-    if rope_type == "default":
-        base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float(), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if layer_type is None:
-        return ROPE_INIT_FUNCTIONS[rope_type](config)
-    return ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
