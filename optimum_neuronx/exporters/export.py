@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -130,8 +129,7 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
             generation_config = GenerationConfig.from_pretrained(model_id)
     else:
         hf_model = AutoModelForCausalLM.from_pretrained(
-            model_id, config=copy.deepcopy(plan.config), dtype=torch.float32 if plan.quantization else nc.torch_dtype,
-            **plan.hf_kwargs)
+            model_id, dtype=torch.float32 if plan.quantization else nc.torch_dtype, **plan.hf_kwargs)
         state, generation_config = hf_model.state_dict(), hf_model.generation_config
         del hf_model
     weights = get_export_config(plan.model_type).convert_weights(
