@@ -77,20 +77,23 @@ def load_trusted(artifact_dir: Path, downloaded: bool, trust_remote_code: bool, 
                        "with trust_remote_code=True (the graphs compute the same; only how they are compiled "
                        "changes).", artifact_dir, list(neuron_config.compiler_args))
         neuron_config = dataclasses.replace(neuron_config, compiler_args=())
-    return export_and_load(str(artifact_dir), neuron_config, cache=cache, huge_pages=huge_pages, from_export=True)
+    return export_and_load(str(artifact_dir), neuron_config, cache=cache, huge_pages=huge_pages, from_export=True,
+                           rebuilt_stamp=decision.stamp)
 
 
 def export_and_load(model_id: str, neuron_config: NeuronConfig, *, cache: Optional[CompileCache],
                     huge_pages: Optional[bool], hf_kwargs: Optional[dict] = None,
-                    from_export: bool = False, config=None) -> LoadedExport:
+                    from_export: bool = False, config=None,
+                    rebuilt_stamp: Optional[ExportStamp] = None) -> LoadedExport:
     """Export `model_id` (a checkpoint, or with `from_export` an export to rebuild) into a directory this process
-    owns until it is saved, and load it. `config`: the checkpoint's Transformers config where the caller read it."""
+    owns until it is saved, and load it. `config`: the checkpoint's Transformers config where the caller read it;
+    `rebuilt_stamp`: the rebuilt export's stamp, as the trust decision read it."""
     from .exporters.export import export
 
     tmpdir = temporary_directory("export")
     out_dir = Path(tmpdir.name) / "model"
     stamp = export(model_id, out_dir, neuron_config, hf_kwargs=hf_kwargs or {}, cache=cache, from_export=from_export,
-                   config=config)
+                   config=config, rebuilt_stamp=rebuilt_stamp)
     return load_export(out_dir, tmpdir=tmpdir, compiled=True, huge_pages=huge_pages, stamp=stamp)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +126,31 @@ def test_the_checkpoint_is_loaded_in_the_export_dtype_unless_quantizing(tiny_che
     assert asked == [loaded_in]
     embed = prepared.decoder.state_dict()["embed_tokens.weight"]
     assert embed.dtype == torch.bfloat16 and embed.device.type == "cpu"
+
+
+def test_a_rebuild_reads_the_export_once(saved_tiny_llama, compiled_model, tmp_path, monkeypatch, caplog):
+    """The trust decision's read is passed on to the rebuild's plan (its source), not read again."""
+    import logging
+
+    from optimum_neuronx import artifacts, loading, trust
+    from optimum_neuronx.exporters import export as export_module, plan as plan_module
+
+    directory = tmp_path / "from-elsewhere"
+    shutil.copytree(saved_tiny_llama, directory)
+    monkeypatch.setattr(trust, "provenance", lambda *args: "foreign")  # not produced here: rebuilt
+    reads = []
+
+    def counted(path, *args, **kwargs):
+        reads.append(Path(path).name)
+        return artifacts.read_artifact(path, *args, **kwargs)
+
+    for module in (trust, loading, plan_module, export_module):
+        if hasattr(module, "read_artifact"):
+            monkeypatch.setattr(module, "read_artifact", counted)
+    with caplog.at_level(logging.INFO, logger="optimum_neuronx"):
+        model = NeuronModelForCausalLM.from_pretrained(directory)
+    assert "Rebuilding the graphs here" in caplog.text and "Compile cache hit" in caplog.text
+    assert reads == ["from-elsewhere"]
+    ids, mask = left_padded_prompts([6, 3], seed=4)
+    expected = compiled_model("llama").generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False), expected)

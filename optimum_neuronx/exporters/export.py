@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 def export(model_id: str, output_dir: str | Path, neuron_config: NeuronConfig,
            hf_kwargs: Optional[dict] = None, cache: Optional[CompileCache] = None,
-           from_export: bool = False, config=None) -> ExportStamp:
+           from_export: bool = False, config=None, rebuilt_stamp: Optional[ExportStamp] = None) -> ExportStamp:
     """Compile `model_id` (Hub id or directory) for `neuron_config` into `output_dir`; return the stamp.
 
     With a `cache`, graphs compiled earlier for the same decoder and NeuronConfig are copied instead of compiled
@@ -36,9 +36,10 @@ def export(model_id: str, output_dir: str | Path, neuron_config: NeuronConfig,
     key wait for each other. The Hub cache repo's entries hold compiled native code: they are used only with
     `trust_remote_code=True` in `hf_kwargs`. `from_export`: `model_id` is an export directory whose graphs are
     rebuilt here from its config and weights (`artifact_state_dict`). `config`: the checkpoint's Transformers config
-    where the caller read it already.
+    where the caller read it already; `rebuilt_stamp`: with `from_export`, the export's stamp where it was read.
     """
-    prepared = prepare(model_id, neuron_config, hf_kwargs, from_export=from_export, config=config)
+    prepared = prepare(model_id, neuron_config, hf_kwargs, from_export=from_export, config=config,
+                       rebuilt_stamp=rebuilt_stamp)
     if cache is None:
         return _write_export(prepared, output_dir)
     key = prepared.plan.cache_key()
@@ -113,12 +114,13 @@ class PreparedExport:
 
 
 def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict] = None, *,
-            from_export: bool = False, config=None) -> PreparedExport:
+            from_export: bool = False, config=None, rebuilt_stamp: Optional[ExportStamp] = None) -> PreparedExport:
     """Plan the export (plan.plan_export: every check) and load + convert the weights: everything before compiling.
     The checkpoint is loaded in the export's dtype (in float32 when quantizing: int8 is rounded from that)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    plan = plan_export(model_id, neuron_config, hf_kwargs, from_export=from_export, config=config)
+    plan = plan_export(model_id, neuron_config, hf_kwargs, from_export=from_export, config=config,
+                       rebuilt_stamp=rebuilt_stamp)
     nc, spec = plan.neuron_config, plan.spec
     start = time.perf_counter()
     decoder = plan.new_decoder()

@@ -22,7 +22,7 @@ from ..memory import MemoryEstimate, check_fits_host_memory, check_fits_neuron_c
 from ..modeling.decoder import StaticDecoder
 from ..modeling.sharding import ShardLayout
 from ..modeling.spec import DecoderSpec
-from ..stamp import BackendStamp
+from ..stamp import BackendStamp, ExportStamp
 from ..version import ARTIFACT_FORMAT_VERSION, __version__
 from .registry import get_export_config, load_model_config
 
@@ -76,10 +76,12 @@ def model_fields(model_type: str, spec: DecoderSpec) -> dict:
 
 
 def plan_export(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict] = None, *,
-                from_export: bool = False, config=None, check_host_memory: bool = True) -> ExportPlan:
+                from_export: bool = False, config=None, check_host_memory: bool = True,
+                rebuilt_stamp: Optional[ExportStamp] = None) -> ExportPlan:
     """Check and plan an export of `model_id` for `neuron_config`: every refusal comes here, before a weight is
     loaded or a file written. `config`: the checkpoint's Transformers config where the caller read it already.
-    `check_host_memory=False`: only the plan is wanted (a cache key), no weights will be loaded."""
+    `check_host_memory=False`: only the plan is wanted (a cache key), no weights will be loaded. `rebuilt_stamp`: with
+    `from_export`, the export's stamp where the caller read it (its source is kept)."""
     hf_kwargs = dict(hf_kwargs or {})
     backend = get_backend(neuron_config.backend)
     neuron_config = with_environment_compiler_args(neuron_config, backend)
@@ -125,7 +127,10 @@ def plan_export(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[
     stamp = BackendStamp(name=neuron_config.backend, version=backend.compiler_version(),
                          target=backend.target(kernels, neuron_config.torch_dtype), lowering=kernels.describe(),
                          codegen=backend.codegen_options(), packable_weights=tuple(packable))
-    source = read_artifact(model_id).source if from_export else _hub_source(model_id, config, hf_kwargs)
+    if from_export:
+        source = (rebuilt_stamp or read_artifact(model_id)).source
+    else:
+        source = _hub_source(model_id, config, hf_kwargs)
     return ExportPlan(model_id, config, neuron_config, hf_kwargs, from_export, backend, kernels, spec, layout, memory,
                       graphs, stamp, source)
 
