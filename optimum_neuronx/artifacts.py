@@ -12,6 +12,7 @@ written and copied whole or not at all. (The weights file itself: weights_io.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -27,7 +28,7 @@ from .backends import Backend
 from .configuration import NEURON_CONFIG_NAME, GraphSpec, NeuronConfig
 from .digests import file_sha256
 from .modeling.spec import DecoderSpec
-from .stamp import READABLE_ARTIFACT_FORMATS, BackendStamp, ExportStamp
+from .stamp import READABLE_ARTIFACT_FORMATS, BackendStamp, ExportStamp, FileRecord, source_repo
 from .tempdirs import process_alive, temporary_directory
 from .version import ARTIFACT_FORMAT_VERSION, __version__
 
@@ -91,11 +92,7 @@ def write_neuron_config(directory: Path, *, neuron_config: NeuronConfig, graphs:
                         backend: BackendStamp, model_type: str, spec: DecoderSpec, compile_times: dict[str, float],
                         files: tuple[str, ...], source: dict | None = None) -> ExportStamp:
     """Stamp the export: call last, once config.json and every file in `files` are written."""
-    import dataclasses
-
     import transformers
-
-    from .stamp import FileRecord
 
     directory = Path(directory)
     stamp = ExportStamp(
@@ -107,26 +104,21 @@ def write_neuron_config(directory: Path, *, neuron_config: NeuronConfig, graphs:
         # The Hub checkpoint the weights come from (repo_id, revision, subfolder): base_model of the model card, and
         # where an export pushed without its weights takes them from.
         source=source, config_hash="")
-    stamp = dataclasses.replace(stamp, config_hash=config_hash(_read_json(directory / CONFIG_NAME), stamp.to_json()))
-    raw = stamp.dumps().encode()
+    meta = stamp.to_json()
+    meta["config_hash"] = config_hash(_read_json(directory / CONFIG_NAME), meta)
+    raw = json.dumps(meta, indent=2).encode()
     (directory / NEURON_CONFIG_NAME).write_bytes(raw)
-    return dataclasses.replace(stamp, identity=hashlib.sha256(raw).hexdigest())
-
-
-def _source_repo(meta) -> str | None:
-    """The Hub checkpoint an export's weights come from, as its metadata names it (None if none)."""
-    source = meta.get("source") if isinstance(meta, dict) else None
-    repo_id = source.get("repo_id") if isinstance(source, dict) else None
-    return repo_id if isinstance(repo_id, str) else None
+    return dataclasses.replace(stamp, config_hash=meta["config_hash"], identity=hashlib.sha256(raw).hexdigest())
 
 
 def weights_source(directory: str | Path) -> str | None:
-    """`_source_repo` of the export in `directory`, read leniently: None where its metadata is unreadable (then
-    `read_artifact` says why)."""
+    """The Hub checkpoint the weights of the export in `directory` come from (`stamp.source_repo`), read leniently:
+    None where its metadata is unreadable (then `read_artifact` says why)."""
     try:
-        return _source_repo(_read_json(Path(directory) / NEURON_CONFIG_NAME))
+        meta = _read_json(Path(directory) / NEURON_CONFIG_NAME)
     except (OSError, ValueError):
         return None
+    return source_repo(meta.get("source") if isinstance(meta, dict) else None)
 
 
 def read_artifact(directory: str | Path, check_digests: bool | Callable[[str], bool] = False,

@@ -5,7 +5,6 @@ hostile or damaged file raises ValueError naming the field."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional
@@ -83,20 +82,14 @@ class ExportStamp:
 
     @property
     def source_repo(self) -> Optional[str]:
-        repo_id = self.source.get("repo_id") if self.source else None
-        return repo_id if isinstance(repo_id, str) else None
-
-    def graph_list(self) -> list[dict]:
-        return graph_list(self.graphs)
-
-    def model_record(self) -> Optional[dict]:
-        return model_record(self.model_type, self.spec)
+        return source_repo(self.source)
 
     def to_json(self) -> dict:
+        """neuron_config.json's content; `model` (model_type and the decoder spec) only where a spec is recorded."""
         meta = {
             "artifact_format": self.artifact_format,
             "neuron_config": self.neuron_config.to_dict(),
-            "graphs": self.graph_list(),
+            "graphs": [{"kind": g.kind, "tokens": g.tokens, "window": g.window} for g in self.graphs],
             "versions": {**self.versions, "compiler": self.backend.to_dict()},
             "config_hash": self.config_hash,
             "files": {name: {"size": f.size, "sha256": f.sha256} for name, f in self.files.items()},
@@ -104,7 +97,7 @@ class ExportStamp:
             "source": dict(self.source) if self.source is not None else None,
         }
         if self.spec is not None:
-            meta["model"] = self.model_record()
+            meta["model"] = {"model_type": self.model_type, "decoder_spec": self.spec.to_dict()}
         return meta
 
     @classmethod
@@ -144,17 +137,12 @@ class ExportStamp:
             source=_frozen(source) if isinstance(source, dict) else None,
             config_hash=str(meta.get("config_hash")), identity=identity)
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=2)
 
 
-def graph_list(graphs) -> list[dict]:
-    return [{"kind": g.kind, "tokens": g.tokens, "window": g.window} for g in graphs]
-
-
-def model_record(model_type: Optional[str], spec: Optional[DecoderSpec]) -> Optional[dict]:
-    """What the graphs compute, as neuron_config.json records it (None: not recorded, format 7)."""
-    return None if spec is None else {"model_type": model_type, "decoder_spec": spec.to_dict()}
+def source_repo(source) -> Optional[str]:
+    """The Hub repo id a stamp's `source` names (None where it names none, or is not a mapping)."""
+    repo_id = source.get("repo_id") if isinstance(source, Mapping) else None
+    return repo_id if isinstance(repo_id, str) else None
 
 
 def _require(condition: bool, message: str) -> None:

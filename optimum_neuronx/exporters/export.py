@@ -122,6 +122,8 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
     plan = plan_export(model_id, neuron_config, hf_kwargs, from_export=from_export, config=config,
                        rebuilt_stamp=rebuilt_stamp)
     nc, spec = plan.neuron_config, plan.spec
+    # Quantized exports convert in float32 and round each projection to int8 from that, not from the dtype.
+    dtype = torch.float32 if plan.quantization else nc.torch_dtype
     start = time.perf_counter()
     decoder = plan.new_decoder()
     generation_config = None
@@ -130,12 +132,11 @@ def prepare(model_id: str, neuron_config: NeuronConfig, hf_kwargs: Optional[dict
         if (Path(model_id) / "generation_config.json").is_file():
             generation_config = GenerationConfig.from_pretrained(model_id)
     else:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            model_id, dtype=torch.float32 if plan.quantization else nc.torch_dtype, **plan.hf_kwargs)
+        hf_model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, **plan.hf_kwargs)
         state, generation_config = hf_model.state_dict(), hf_model.generation_config
         del hf_model
-    weights = get_export_config(plan.model_type).convert_weights(
-        state, decoder.parameter_names(), torch.float32 if plan.quantization else nc.torch_dtype, spec.num_layers)
+    weights = get_export_config(plan.model_type).convert_weights(state, decoder.parameter_names(), dtype,
+                                                                 spec.num_layers)
     del state
     if plan.quantization:
         weights = quantize_weights(weights, nc.torch_dtype)

@@ -13,7 +13,7 @@ from typing import Mapping, Union
 import torch
 
 from ..configuration import NeuronConfig
-from ..modeling.spec import DecoderSpec, window_cache_places
+from ..modeling.spec import MAX_CONFIG_SIZE, DecoderSpec, window_cache_places
 from ..modeling.layout import untile_weight
 from .rope import check_long_rope_buckets, check_rope_length, check_rope_types, rope_fields
 
@@ -21,8 +21,6 @@ from .rope import check_long_rope_buckets, check_rope_length, check_rope_types, 
 # A flag is either a constant or the name of a boolean field of the Transformers config.
 Flag = Union[bool, str]
 
-# The largest size a config field may give (layers, heads, widths, vocabulary): far past any real model's.
-MAX_CONFIG_SIZE = 1 << 24
 # The config fields that size the decoder (the last three optional), checked as positive integers.
 CONFIG_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                       "head_dim", "intermediate_size")

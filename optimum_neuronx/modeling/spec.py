@@ -108,12 +108,13 @@ class DecoderSpec:
         return cls(**values)
 
 
-_MAX_SIZE = 1 << 24  # no size of a real model comes near
+# The largest size a config or spec field may give (layers, heads, widths, vocabulary): far past any real model's.
+MAX_CONFIG_SIZE = 1 << 24
 _BAD = object()  # what a field parser returns for a value that is not of its type
 
 
 def _size(value):
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_SIZE else _BAD
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_CONFIG_SIZE else _BAD
 
 
 def _number(value):
@@ -123,7 +124,7 @@ def _number(value):
 
 def _sequence(item, length: int | None = None):
     def parse(value):
-        if not isinstance(value, (list, tuple)) or len(value) > _MAX_SIZE or length not in (None, len(value)):
+        if not isinstance(value, (list, tuple)) or len(value) > MAX_CONFIG_SIZE or length not in (None, len(value)):
             return _BAD
         parsed = tuple(item(v) for v in value)
         return _BAD if any(v is _BAD for v in parsed) else parsed
